@@ -1,0 +1,104 @@
+"""Tiny random models for fast tests."""
+from __future__ import annotations
+
+import torch
+
+from dspark.export.drafter import Drafter
+from dspark.export.target import TargetModel
+from dspark.runtime.config import DrafterConfig, TargetConfig
+
+
+def hf_target_config(arch: str = "llama", vocab: int = 97, hidden: int = 64, layers: int = 4, heads: int = 4,
+                     kv_heads: int = 2, head_dim: int | None = None, tie: bool = False) -> dict:
+    cfg = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden + 8,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "max_position_embeddings": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    return cfg
+
+
+def hf_drafter_config(target: dict, *, layers: int = 2, block_size: int = 4, layer_ids=(-1, 1, 2),
+                      markov_rank: int = 8, head: str | None = "vanilla", confidence: bool = True,
+                      with_markov: bool = True, mask_token_id: int = 3) -> dict:
+    cfg = {k: v for k, v in target.items() if k not in ("num_hidden_layers", "model_type")}
+    cfg.update(
+        model_type="qwen3",
+        architectures=["Qwen3DSparkModel" if markov_rank else "Qwen3DFlashModel"],
+        num_hidden_layers=layers,
+        num_target_layers=target["num_hidden_layers"],
+        block_size=block_size,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=mask_token_id,
+        num_anchors=512,
+        markov_rank=markov_rank,
+        tie_word_embeddings=False,
+    )
+    if markov_rank:
+        cfg["markov_head_type"] = head
+    cfg["enable_confidence_head"] = confidence
+    if confidence:
+        cfg["confidence_head_with_markov"] = with_markov and markov_rank > 0
+    return cfg
+
+
+def randomize(module: torch.nn.Module, seed: int, scale: float = 0.5) -> torch.nn.Module:
+    """Deterministic random weights, norms near 1, so every path carries signal."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(scale * torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5)
+    return module
+
+
+def tiny_target(arch: str = "llama", seed: int = 0, **kw) -> TargetModel:
+    return randomize(TargetModel(TargetConfig.from_hf(hf_target_config(arch, **kw))), seed).eval()
+
+
+def tiny_drafter(target: TargetModel, seed: int = 1, target_hf: dict | None = None, **kw) -> Drafter:
+    hf = target_hf or hf_target_config(target.cfg.arch, vocab=target.cfg.vocab_size,
+                                       hidden=target.cfg.hidden_size, layers=target.cfg.num_layers,
+                                       heads=target.cfg.num_heads, kv_heads=target.cfg.num_kv_heads)
+    d = randomize(Drafter(DrafterConfig.from_hf(hf_drafter_config(hf, **kw))), seed)
+    with torch.no_grad():  # the drafter shares the target's frozen embedding and LM head
+        d.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        d.lm_head.weight.copy_(target.lm_head.weight)
+    return d.eval()
+
+
+def copy_drafter(target: TargetModel, block_size: int = 4, seed: int = 1, boost: float = 30.0) -> Drafter:
+    """A drafter whose Markov bias makes every slot repeat the previous token.
+
+    Tiny random targets fall into repetition loops, so this drafter is accepted often
+    there and rejected elsewhere: both paths of the loop get exercised."""
+    V = target.cfg.vocab_size
+    d = tiny_drafter(target, seed=seed, block_size=block_size, markov_rank=V, head="vanilla")
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.copy_(boost * torch.eye(V))
+        d.markov_head.markov_w2.weight.copy_(torch.eye(V))
+        d.confidence_head.proj.weight.mul_(20.0)  # spread sigmoid(c) over (0, 1) so thresholds bite
+    return d
+
+
+def reference_logits(target: TargetModel, prompt: list[int], generated: list[int]):
+    """Logits [len(generated), V] that produced each generated token, in one full forward."""
+    ids = torch.tensor([prompt + generated[:-1]])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        logits, _ = target(ids, pos, target.new_cache(1, ids.shape[1]))
+    return logits[0, len(prompt) - 1:].float().numpy()
