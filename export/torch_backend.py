@@ -24,12 +24,12 @@ class TorchBackend:
         self.max_seq = max_seq
 
     @torch.inference_mode()
-    def target(self, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # [1, S]
         pos = torch.arange(start, start + ids.shape[1])[None]  # [1, S]
         logits, feats = self.model(ids, pos, self.cache, self.feature_ids)
         feats_np = feats[0].float().numpy() if feats is not None else np.zeros((ids.shape[1], 0), np.float32)
-        return logits[0].float().numpy(), feats_np
+        return logits[0, -logit_rows:].float().numpy(), feats_np
 
     def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
               temperature: float, uniforms: np.ndarray) -> Draft:

@@ -23,9 +23,10 @@ class Backend(Protocol):
     vocab_size: int
     max_seq: int  # positions available in the preallocated caches
 
-    def target(self, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
         """Run the target over tokens [S] at positions start..start+S-1, given committed
-        KV for [0, start). Returns logits [S, V] fp32 and context features [S, F]."""
+        KV for [0, start). Returns the logits of the last `logit_rows` rows [logit_rows, V]
+        (fp32) and the context features of every row [S, F]."""
         ...
 
     def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,

@@ -66,12 +66,14 @@ class Stats:
 class Generation:
     token_ids: list[int]
     stats: Stats
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" (a stop token) | "stop_string" | "length"
 
 
 def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams,
-             scheduler: Scheduler | None, on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
-    """Decode up to `params.max_new_tokens` tokens after `prompt_ids`."""
+             scheduler: Scheduler | None, on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
+    """Decode up to `params.max_new_tokens` tokens after `prompt_ids`.
+
+    `on_tokens` receives each committed chunk; returning True ends decoding (stop strings)."""
     n, gamma, T = len(prompt_ids), backend.block_size, params.temperature
     if n == 0:
         raise InputError("the prompt is empty")
@@ -83,6 +85,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
     rng = np.random.default_rng(params.seed)
     stats = Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64))
     out: list[int] = []
+    reason = ""
     t_start = time.perf_counter()
 
     def commit(tokens: list[int]) -> bool:
@@ -94,11 +97,12 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
                 done = True
                 break
         out.extend(keep)
-        if on_tokens is not None and keep:
-            on_tokens(keep)
+        if on_tokens is not None and keep and on_tokens(keep):
+            nonlocal reason
+            reason, done = "stop_string", True
         return done
 
-    logits, feats = backend.target(np.asarray(prompt_ids, dtype=np.int64), 0)  # [n, V], [n, F]
+    logits, feats = backend.target(np.asarray(prompt_ids, dtype=np.int64), 0, 1)  # [1, V], [n, F]
     anchor = sample_token(logits[-1], T, rng.random())
     stats.times["prefill"] = time.perf_counter() - t_start
     done = commit([anchor])
@@ -107,7 +111,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
     while not done:
         if scheduler is None:  # the target alone
             t0 = time.perf_counter()
-            logits, _ = backend.target(np.asarray([anchor], dtype=np.int64), start)
+            logits, _ = backend.target(np.asarray([anchor], dtype=np.int64), start, 1)
             anchor = sample_token(logits[0], T, rng.random())
             start += 1
             stats.times["decode"] += time.perf_counter() - t0
@@ -119,7 +123,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
         t1 = time.perf_counter()
         ell = min(scheduler.length(draft.confidence_logits), params.max_new_tokens - len(out) - 1)
         proposed = draft.tokens[:ell]
-        logits, feats = backend.target(np.concatenate([[anchor], proposed]).astype(np.int64), start)
+        logits, feats = backend.target(np.concatenate([[anchor], proposed]).astype(np.int64), start, ell + 1)
         t2 = time.perf_counter()
         a, token = verify(proposed, draft.probs[:ell], logits, T, u[gamma:2 * gamma], u[2 * gamma])
         stats.times["draft"] += t1 - t0
@@ -133,4 +137,4 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
         ctx, ctx_start, start, anchor = feats[:a + 1], start, start + a + 1, token
 
     stats.times["total"] = time.perf_counter() - t_start
-    return Generation(out, stats, "stop" if out[-1] in stops else "length")
+    return Generation(out, stats, reason or ("stop" if out[-1] in stops else "length"))
