@@ -38,45 +38,94 @@ def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
     return out.reshape(B, H, S, D)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written as Pow → ReduceMean → Add → Sqrt → Div → Mul, the pattern ONNX Runtime
+    fuses into one SimplifiedLayerNormalization (and TensorRT into its normalization layer)."""
+    return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [..., D] with cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 class TargetGraph(nn.Module):
     """Prefill and verification in one graph.
 
     inputs:  input_ids [B, S] int64, positions [B, S] int64, logit_index [B, K] int64
              (rows whose logits are wanted), past_mask [B, P] f32,
              past_key_i / past_value_i [B, Hkv, S_max, D] for every layer i
-    outputs: logits [B, K, V], features [B, S, m*d], new_key_i / new_value_i [B, Hkv, S, D]"""
+    outputs: logits [B, K, V], features [B, S, m*d], new_key_i / new_value_i [B, Hkv, S, D]
+
+    Weights are rearranged for the engine, not changed: q/k/v and gate/up projections are
+    concatenated into one matrix each, the attention scale is folded into the queries, and
+    RoPE (and Qwen3's q/k norm) runs once over the queries and keys together."""
 
     def __init__(self, model: TargetModel, feature_layer_ids: tuple[int, ...]):
         super().__init__()
-        self.model = model
-        self.feature_layer_ids = tuple(feature_layer_ids)
+        c = model.cfg
+        self.cfg, self.feature_layer_ids = c, tuple(feature_layer_ids)
+        self.embed = model.embed_tokens
+        self.norm = model.norm
+        self.lm_head = model.lm_head
+        scale = c.head_dim ** -0.5
+        self.qkv, self.gate_up, self.o, self.down, self.norm_in, self.norm_post, self.qk_norm = (
+            nn.ParameterList() for _ in range(7))
+        with torch.no_grad():
+            for layer in model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                q_w = a.q_proj.weight if c.qk_norm else a.q_proj.weight * scale
+                self.qkv.append(torch.cat([q_w, a.k_proj.weight, a.v_proj.weight]).T.contiguous())  # [d, (H+2Hkv)D]
+                self.gate_up.append(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous())
+                self.o.append(a.o_proj.weight.T.contiguous())
+                self.down.append(mlp.down_proj.weight.T.contiguous())
+                self.norm_in.append(layer.input_layernorm.weight.clone())
+                self.norm_post.append(layer.post_attention_layernorm.weight.clone())
+                if c.qk_norm:  # per-head norms of q (scale folded in) and k, as one [H+Hkv, D] weight
+                    self.qk_norm.append(torch.cat([(a.q_norm.weight * scale).expand(c.num_heads, -1),
+                                                   a.k_norm.weight.expand(c.num_kv_heads, -1)]).contiguous())
 
     def forward(self, input_ids, positions, logit_index, past_mask, *past):
-        m, c = self.model, self.model.cfg
-        L = c.num_layers
+        c = self.cfg
+        L, H, Hkv, D = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
+        rep = H // Hkv
+        B, S = input_ids.shape
         P = past_mask.shape[1]
-        S = input_ids.shape[1]
-        x = m.embed_tokens(input_ids)  # [B, S, d]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        x = self.embed(input_ids)  # [B, S, d]
+        cos, sin = rope_cos_sin(positions, D, c.rope_theta)  # [B, 1, S, D]
+        cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B, S, 1, D]
         idx = torch.arange(S, device=input_ids.device)
         causal = torch.where(idx[None, :] <= idx[:, None], 0.0, MASKED)  # [S, S]
+        mask = torch.cat([past_mask[:, None, :].expand(B, S, P), causal.expand(B, S, S)], dim=-1)  # [B, S, P+S]
+        mask = mask[:, None, None].expand(B, Hkv, rep, S, P + S).reshape(B, Hkv, rep * S, P + S)
         feats = [x] if -1 in self.feature_layer_ids else []
-        new_kv = []
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            k, v = attn.key_value(h, cos, sin)  # [B, Hkv, S, D]
-            q = attn.query(h, cos, sin)  # [B, H, S, D]
-            o = split_attention(q, past[i][:, :, :P], past[L + i][:, :, :P], past_mask, k, v, causal)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(x.shape[0], S, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        keys, values = [], []
+        for i in range(L):
+            h = rms_norm(x, self.norm_in[i], c.rms_norm_eps)
+            qkv = h @ self.qkv[i]  # [B, S, (H+2Hkv)D]
+            qk = qkv[..., :(H + Hkv) * D].reshape(B, S, H + Hkv, D)
+            v = qkv[..., (H + Hkv) * D:].reshape(B, S, Hkv, D).transpose(1, 2)  # [B, Hkv, S, D]
+            if c.qk_norm:
+                qk = rms_norm(qk, self.qk_norm[i], c.rms_norm_eps)
+            qk = rotate(qk, cos, sin)
+            q = qk[:, :, :H].reshape(B, S, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * S, D)
+            k = qk[:, :, H:].transpose(1, 2)  # [B, Hkv, S, D]
+            k_past, v_past = past[i][:, :, :P], past[L + i][:, :, :P]  # [B, Hkv, P, D]
+            scores = torch.cat([q @ k_past.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) + mask
+            p = torch.softmax(scores, dim=-1)  # [B, Hkv, rep*S, P+S]
+            o = p[..., :P] @ v_past + p[..., P:] @ v  # [B, Hkv, rep*S, D]
+            o = o.reshape(B, Hkv, rep, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
+            x = x + o @ self.o[i]
+            gate, up = (rms_norm(x, self.norm_post[i], c.rms_norm_eps) @ self.gate_up[i]).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ self.down[i]
             if i in self.feature_layer_ids:
                 feats.append(x)
-            new_kv += [k, v]
+            keys.append(k)
+            values.append(v)
         rows = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, d]
-        logits = m.lm_head(m.norm(rows))
+        logits = self.lm_head(rms_norm(rows, self.norm.weight, c.rms_norm_eps))
         features = torch.cat(feats, dim=-1) if feats else x[..., :0]
-        keys, values = new_kv[0::2], new_kv[1::2]
         return (logits, features, *keys, *values)
 
 
@@ -87,45 +136,19 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.clamp(below, max=probs.shape[-1] - 1)
 
 
-class DrafterGraph(nn.Module):
-    """Backbone + the γ-step sequential stage, unrolled, with randomness as an input.
-
-    inputs:  features [B, n, m*d] raw context rows (positions ctx_start..start-1),
-             positions [B, n+γ] int64 (context rows, then the block), anchor [B] int64,
-             temperature [B] f32 (0 = argmax), uniforms [B, γ] f32, past_mask [B, P] f32,
-             past_key_i / past_value_i [B, Hkv, S_max, D]
-    outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V], confidence_logits [B, γ],
-             ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
+class SequentialStage(nn.Module):
+    """The γ left-to-right steps (dspark.md §3–4), unrolled: Markov bias, sampling by
+    inverse CDF from the supplied uniforms (argmax where temperature is 0), confidence.
+    A module of its own so that profiles can attribute its nodes (namespace 'sequential')."""
 
     def __init__(self, drafter: Drafter):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, features, positions, anchor, temperature, uniforms, past_mask, *past):
+    def forward(self, h, base, anchor, temperature, uniforms):
+        """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
         d, c = self.drafter, self.drafter.cfg
-        L, gamma, V = c.num_layers, c.block_size, c.vocab_size
-        P = past_mask.shape[1]
-        n = features.shape[1]
-        B = anchor.shape[0]
-        ctx = d.hidden_norm(d.fc(features))  # [B, n, d]
-        block = torch.cat([anchor[:, None], torch.full_like(anchor[:, None], c.mask_token_id).expand(B, gamma - 1)], 1)
-        x = d.embed_tokens(block)  # [B, γ, d]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, 1, n+γ, D]
-        ccos, csin, bcos, bsin = cos[:, :, :n], sin[:, :, :n], cos[:, :, n:], sin[:, :, n:]
-        ctx_kv = []
-        for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            ck, cv = attn.key_value(ctx, ccos, csin)
-            h = layer.input_layernorm(x)
-            bk, bv = attn.key_value(h, bcos, bsin)
-            q = attn.query(h, bcos, bsin)
-            o = split_attention(q, past[i][:, :, :P], past[L + i][:, :, :P], past_mask,
-                                torch.cat([ck, bk], 2), torch.cat([cv, bv], 2), None)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, gamma, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            ctx_kv += [ck, cv]
-        h = d.norm(x)  # [B, γ, d]
-        base = d.lm_head(h)  # [B, γ, V]
+        B, gamma, V = base.shape
         greedy = temperature[:, None] <= 0  # [B, 1]
         inv_t = 1.0 / torch.where(greedy[:, 0], torch.ones_like(temperature), temperature)
         vocab = torch.arange(V, device=anchor.device)
@@ -151,6 +174,47 @@ class DrafterGraph(nn.Module):
             tokens.append(tok)
             probs.append(p)
             prev = tok
-        return (torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(conf, 1),
-                *ctx_kv[0::2], *ctx_kv[1::2])
+        return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(conf, 1)
 
+
+class DrafterGraph(nn.Module):
+    """Backbone + the γ-step sequential stage, unrolled, with randomness as an input.
+
+    inputs:  features [B, n, m*d] raw context rows (positions ctx_start..start-1),
+             positions [B, n+γ] int64 (context rows, then the block), anchor [B] int64,
+             temperature [B] f32 (0 = argmax), uniforms [B, γ] f32, past_mask [B, P] f32,
+             past_key_i / past_value_i [B, Hkv, S_max, D]
+    outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V], confidence_logits [B, γ],
+             ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+        self.sequential = SequentialStage(drafter)
+
+    def forward(self, features, positions, anchor, temperature, uniforms, past_mask, *past):
+        d, c = self.drafter, self.drafter.cfg
+        L, gamma = c.num_layers, c.block_size
+        P = past_mask.shape[1]
+        n = features.shape[1]
+        B = anchor.shape[0]
+        ctx = d.hidden_norm(d.fc(features))  # [B, n, d]
+        block = torch.cat([anchor[:, None], torch.full_like(anchor[:, None], c.mask_token_id).expand(B, gamma - 1)], 1)
+        x = d.embed_tokens(block)  # [B, γ, d]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, 1, n+γ, D]
+        ccos, csin, bcos, bsin = cos[:, :, :n], sin[:, :, :n], cos[:, :, n:], sin[:, :, n:]
+        ctx_kv = []
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            ck, cv = attn.key_value(ctx, ccos, csin)
+            h = layer.input_layernorm(x)
+            bk, bv = attn.key_value(h, bcos, bsin)
+            q = attn.query(h, bcos, bsin)
+            o = split_attention(q, past[i][:, :, :P], past[L + i][:, :, :P], past_mask,
+                                torch.cat([ck, bk], 2), torch.cat([cv, bv], 2), None)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, gamma, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            ctx_kv += [ck, cv]
+        h = d.norm(x)  # [B, γ, d]
+        tokens, probs, conf = self.sequential(h, d.lm_head(h), anchor, temperature, uniforms)
+        return (tokens, probs, conf, *ctx_kv[0::2], *ctx_kv[1::2])
