@@ -101,6 +101,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
 def _replace(tmp: Path, out: Path) -> None:
     """Move the finished bundle into place; an existing bundle is replaced only now."""
     os.chmod(tmp, 0o755)
+    for p in tmp.iterdir():  # the ONNX external .data files come out 0600: make every file readable
+        os.chmod(p, 0o644)  # by the user that serves the bundle, like the directory
     if out.exists():
         old = out.with_name(f".{out.name}.old")
         shutil.rmtree(old, ignore_errors=True)

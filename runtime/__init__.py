@@ -4,4 +4,14 @@ from .generate import Generation, SamplingParams, Stats, generate
 from .scheduler import FixedLength, StaticThreshold
 
 __all__ = ["BundleError", "CheckpointError", "ConfigError", "DSparkError", "InputError", "Generation",
-           "SamplingParams", "Stats", "generate", "FixedLength", "StaticThreshold"]
+           "SamplingParams", "Stats", "generate", "FixedLength", "StaticThreshold", "Engine", "Result"]
+
+
+def __getattr__(name: str):
+    """`Engine` and `Result` (README: `from dspark.runtime import Engine`), imported on first use so
+    that `import dspark.runtime` stays light for the export side (no onnxruntime import)."""
+    if name in ("Engine", "Result"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
-    p.add_argument("--max-seq", type=int, default=2048, help="positions preallocated in the KV buffers (default 2048)")
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="positions preallocated in the KV buffers (default: 2048 or the model's limit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")

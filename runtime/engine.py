@@ -47,14 +47,16 @@ class Engine:
         self.bundle, self.manifest, self.backend, self.tokenizer = bundle, manifest, backend, tokenizer
 
     @classmethod
-    def load(cls, bundle: str | Path, max_seq: int = 2048, backend: str = "onnxruntime", provider: str = "cpu",
-             threads: int | None = None) -> "Engine":
-        """Validate the bundle's manifest, open its graphs and preallocate KV for `max_seq` positions."""
+    def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
+             provider: str = "cpu", threads: int | None = None) -> "Engine":
+        """Validate the bundle's manifest, open its graphs and preallocate KV for `max_seq`
+        positions (default: 2048 or the model's limit, whichever is smaller)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
         if backend != "onnxruntime":
             raise InputError(f"unknown backend {backend!r}; this runtime has: onnxruntime")
         limit = manifest.target.max_position_embeddings
+        max_seq = min(2048, limit) if max_seq is None else max_seq
         if not 1 < max_seq <= limit:
             raise InputError(f"max_seq is {max_seq}, expected 2..{limit} (the target's max_position_embeddings)")
         tokenizer = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)

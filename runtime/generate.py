@@ -115,6 +115,9 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
             anchor = sample_token(logits[0], T, rng.random())
             start += 1
             stats.times["decode"] += time.perf_counter() - t0
+            stats.cycles += 1
+            stats.emitted.append(1)
+            stats.verified.append(0)
             done = commit([anchor])
             continue
         u = rng.random(2 * gamma + 1)  # draft draws, acceptance draws, the emitted token's draw

@@ -53,8 +53,10 @@ class Manifest:
             raise BundleError(f"{directory} has no manifest.json: not a bundle (or an interrupted export)")
         try:
             d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BundleError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise BundleError(f"{path} holds a JSON {type(d).__name__}, not a manifest object; re-export the bundle")
         fmt = d.get("bundle_format")
         if fmt != BUNDLE_FORMAT:
             raise BundleError(f"{path}: bundle_format is {fmt!r} (exporter {d.get('exporter_version')!r}), this "
@@ -63,12 +65,16 @@ class Manifest:
             m = cls(**{**d, "target": TargetConfig.from_dict(d["target"]),
                        "drafter": DrafterConfig.from_hf(d["drafter"])})
             m.drafter.check_against(m.target)
-        except (KeyError, TypeError, ConfigError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
             raise BundleError(f"{path} is malformed: {e}") from e
         m.check_files(directory)
         return m
 
     def check_files(self, directory: Path) -> None:
+        for name in [*self.graphs.values(), self.tokenizer, *self.files]:
+            if Path(name).name != name:
+                raise BundleError(f"{directory}/manifest.json names {name!r}: bundle files must be plain names "
+                                  f"inside the bundle")
         for name in [*self.graphs.values(), self.tokenizer]:
             if not (directory / name).exists():
                 raise BundleError(f"bundle {directory} is missing {name}; re-run `dspark export`")

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .backend import Draft
-from .errors import BundleError
+from .errors import BundleError, InputError
 from .kv import KVBuffers, past_mask
 from .manifest import Manifest
 
@@ -36,17 +36,34 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 class _Graph:
     """One ONNX Runtime session with its KV buffers bound once."""
 
-    def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str]):
+    def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str],
+                 expect: dict[str, dict[int, int]]):
         if not path.exists():
             raise BundleError(f"bundle graph {path} is missing; re-run `dspark export`")
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=[provider])
         except Exception as e:  # onnxruntime raises its own types for corrupt files
             raise BundleError(f"cannot load {path}: {e}") from e
+        self._check_shapes(path, kv, expect)
         self.binding = self.session.io_binding()
         self.outputs = [o.name for o in self.session.get_outputs()]
         for name, buf in zip(past_names, kv.arrays):
             self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
+
+    def _check_shapes(self, path: Path, kv: KVBuffers, expect: dict[str, dict[int, int]]) -> None:
+        """The graph must be the model the manifest describes: same number of layers, and the
+        static sizes in `expect` ({input or output name: {axis: size}})."""
+        io = {t.name: t.shape for t in [*self.session.get_inputs(), *self.session.get_outputs()]}
+        graph_layers = sum(1 for n in io if n.startswith("past_key_"))
+        if graph_layers != len(kv.keys):
+            raise BundleError(f"{path} has {graph_layers} layers of KV inputs, the manifest says {len(kv.keys)}: "
+                              f"the graph belongs to another model; re-export the bundle")
+        for name, axes in expect.items():
+            shape = io.get(name)
+            for axis, size in axes.items():
+                if shape is None or shape[axis] != size:
+                    raise BundleError(f"{path}: {name} has shape {shape}, the manifest implies size {size} on axis "
+                                      f"{axis}: the graph belongs to another model; re-export the bundle")
 
     def run(self, **inputs: np.ndarray) -> list[np.ndarray]:
         for name, value in inputs.items():
@@ -63,7 +80,7 @@ class OrtBackend:
     def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
                  threads: int | None = None, speculative: bool = True):
         if provider not in PROVIDERS:
-            raise BundleError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
+            raise InputError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise BundleError(f"{PROVIDERS[provider]} is not available in this onnxruntime build "
                               f"(have {ort.get_available_providers()})")
@@ -74,13 +91,17 @@ class OrtBackend:
         self.max_seq = max_seq
         self.target_kv = KVBuffers(L, 1, t.num_kv_heads, max_seq, t.head_dim)
         names = [f"past_key_{i}" for i in range(L)] + [f"past_value_{i}" for i in range(L)]
-        self._target = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads, self.target_kv, names)
+        kv_shape = {1: t.num_kv_heads, 3: t.head_dim}
+        self._target = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads, self.target_kv, names,
+                              {names[0]: kv_shape, "logits": {2: t.vocab_size}, "features": {2: d.feature_dim}})
         self._drafter = None
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, 1, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
             self._drafter = _Graph(bundle / manifest.graphs["drafter"], PROVIDERS[provider], threads,
-                                   self.draft_kv, names)
+                                   self.draft_kv, names,
+                                   {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "draft_probs": {2: d.vocab_size},
+                                    "features": {2: d.feature_dim}})
 
     def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
         S = len(tokens)

@@ -32,3 +32,70 @@ def smollm2_hf(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
                                                  dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+# --- Exported bundles (built once per session) -----------------------------------------------------
+
+import os  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+
+@dataclass
+class BundleInfo:
+    path: Path  # the bundle directory
+    target_dir: Path | None  # the Hugging Face target directory it was exported from (None: the default GGUF)
+    drafter_dir: Path | None  # the DeepSpec drafter checkpoint (None: the untrained default)
+    target: Any = None  # TargetModel, the torch reference (as loaded by the exporter)
+    drafter: Any = None  # Drafter, as loaded back from the checkpoint (bf16 weights, fp32 math)
+    hf_model: Any = None  # the transformers model the target directory was saved from
+    tokenizer: Any = None  # the transformers tokenizer of the target
+
+
+TINY_BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory) -> BundleInfo:
+    """A random 4-layer GQA Llama (hidden 64, character-level tokenizer with a ChatML template),
+    a DeepSpec drafter checkpoint for it (γ = 4, confidence head, vanilla Markov head biased
+    by +4 towards the previous token: greedy drafts copy it, sampled drafts spread), and the
+    bundle `export_bundle` makes of them (~25 s, once per session)."""
+    from factories import copy_drafter, write_tiny_hf_target
+
+    from dspark.export import load_drafter, load_target, save_drafter
+    from dspark.export.bundle import export_bundle
+
+    root = tmp_path_factory.mktemp("tiny")
+    target_dir, drafter_dir, out = root / "target", root / "drafter", root / "bundle"
+    hf_model, _ = write_tiny_hf_target(target_dir)
+    loaded = load_target(target_dir)
+    save_drafter(copy_drafter(loaded.model, block_size=TINY_BLOCK_SIZE, boost=4.0), drafter_dir)
+    with warnings.catch_warnings():  # the dynamo exporter's notes on dynamic axes, not ours
+        warnings.simplefilter("ignore")
+        export_bundle(out, target_dir, drafter_dir, progress=False)
+    m = loaded.model
+    drafter = load_drafter(drafter_dir, embeddings=(m.embed_tokens.weight, m.lm_head.weight))
+    return BundleInfo(out, target_dir, drafter_dir, m, drafter, hf_model, loaded.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def default_bundle(tmp_path_factory) -> BundleInfo:
+    """The default SmolLM2 bundle: `dspark export --out <tmp>/smollm2` once per session
+    (~2.5 min), or an existing bundle directory named by $DSPARK_BUNDLE."""
+    from dspark.export import default_target_path
+    from dspark.runtime.cli import main
+    from dspark.runtime.errors import CheckpointError
+
+    existing = os.environ.get("DSPARK_BUNDLE")
+    if existing:
+        return BundleInfo(Path(existing), None, None)
+    try:
+        default_target_path()
+    except CheckpointError as e:
+        pytest.skip(str(e))
+    out = tmp_path_factory.mktemp("default") / "smollm2"
+    assert main(["export", "--out", str(out)]) == 0
+    return BundleInfo(out, None, None)

@@ -102,3 +102,50 @@ def reference_logits(target: TargetModel, prompt: list[int], generated: list[int
     with torch.inference_mode():
         logits, _ = target(ids, pos, target.new_cache(1, ids.shape[1]))
     return logits[0, len(prompt) - 1:].float().numpy()
+
+
+# --- Tiny Hugging Face directories and bundles (for the exported-engine tests) ---------------------
+
+TINY_SPECIAL_TOKENS = ["<unk>", "<s>", "<|im_end|>", "<mask>", "<|im_start|>"]  # ids 0..4
+TINY_CHARS = (list("abcdefghijklmnopqrstuvwxyz") + list("ABCDEFGHIJKLMNOPQRSTUVWXYZ") + list("0123456789")
+              + list(" \n.,!?:;'\"-()[]{}<>@#$%&*+=_/|~^"))
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A character-level `tokenizers` tokenizer (BPE without merges) wrapped as a transformers
+    PreTrainedTokenizerFast with a ChatML-like chat template; eos = <|im_end|> (id 2)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(TINY_SPECIAL_TOKENS + TINY_CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(TINY_SPECIAL_TOKENS)
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", mask_token="<mask>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_hf_target(directory, seed: int = 0, layers: int = 4):
+    """A random Llama (GQA: 4 heads, 2 KV heads; hidden 64) saved with transformers'
+    save_pretrained, plus `tiny_tokenizer()`: a directory `load_target` accepts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=136, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = randomize(LlamaForCausalLM(cfg), seed).eval()
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return model, tok

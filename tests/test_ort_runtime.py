@@ -1,0 +1,250 @@
+"""The exported bundle served by ONNX Runtime matches the PyTorch reference (tiny random model).
+
+Step level: prefill, verification and drafting rounds of `OrtBackend` against `TorchBackend`
+on the same target and drafter. Loop level: `Engine.generate` against `dspark.runtime.generate`
+on `TorchBackend`, greedy and sampled. Plus the lean runtime without torch, streaming, stop
+strings and the preallocated KV buffers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from factories import reference_logits
+
+from dspark.export import TorchBackend
+from dspark.runtime import Engine, FixedLength, SamplingParams, StaticThreshold, generate
+from dspark.runtime.manifest import Manifest
+from dspark.runtime.ort_backend import OrtBackend
+from dspark.runtime.parity import greedy_match
+
+PROMPT = "Hello there, how are you?"
+PROMPTS = [PROMPT, "What is 17 * 23?", "Tell me a story about a dragon."]
+MAX_SEQ = 256
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def manifest(tiny_bundle):
+    return Manifest.load(tiny_bundle.path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle):
+    return Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
+
+
+def close(a, b, what, tol=TOL):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} vs {b.shape}"
+    err = float(np.abs(a - b).max()) if a.size else 0.0
+    assert err <= tol, f"{what}: max |ORT - torch| = {err:.3g} > {tol}"
+
+
+# --- step level -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature):
+    """prefill → draft → verify (S = γ+1) → draft → verify, same inputs and uniforms on both."""
+    gamma = manifest.drafter.block_size
+    ids = np.asarray(engine.encode(PROMPT), np.int64)
+    n = len(ids)
+    ort_be = OrtBackend(tiny_bundle.path, manifest, 128)
+    ref_be = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, 128)
+    assert ort_be.block_size == ref_be.block_size == gamma
+
+    lo, fo = ort_be.target(ids, 0, n)  # every prompt row
+    lr, fr = ref_be.target(ids, 0, n)
+    close(lo, lr, "prefill logits")
+    close(fo, fr, "prefill features")
+    assert fo.shape == (n, manifest.drafter.feature_dim)
+    lo1, _ = ort_be.target(ids, 0, 1)  # the loop's call: last row only (rewrites the same KV rows)
+    close(lo1, lr[-1:], "prefill last-row logits")
+
+    rng = np.random.default_rng(123)
+    anchor, start, ctx_start = int(np.argmax(lr[-1])), n, 0
+    ctx_o, ctx_r = fo, fr  # each backend drafts from its own features, as in the loop
+    accepted = [1, gamma]  # commit a partial, then a full prefix: both cache cut-backs are exercised
+    for round_, a in enumerate(accepted):
+        u = rng.random(gamma)
+        do = ort_be.draft(ctx_o, ctx_start, anchor, start, temperature, u)
+        dr = ref_be.draft(ctx_r, ctx_start, anchor, start, temperature, u)
+        where = f"round {round_} (T={temperature})"
+        assert do.tokens.tolist() == dr.tokens.tolist(), f"{where}: draft tokens"
+        close(do.probs, dr.probs, f"{where}: draft probs")
+        close(do.confidence_logits, dr.confidence_logits, f"{where}: confidence logits")
+        assert np.allclose(do.probs.sum(-1), 1.0, atol=1e-5)
+        if temperature == 0:  # one-hot at the drafted token
+            assert (do.probs.argmax(-1) == do.tokens).all() and (do.probs.max(-1) == 1.0).all()
+
+        block = np.concatenate([[anchor], dr.tokens]).astype(np.int64)  # S = γ + 1
+        lo, fo = ort_be.target(block, start, gamma + 1)
+        lr, fr = ref_be.target(block, start, gamma + 1)
+        close(lo, lr, f"{where}: verify logits")
+        close(fo, fr, f"{where}: verify features")
+        assert (lo.argmax(-1) == lr.argmax(-1)).all()
+        ctx_o, ctx_r, ctx_start = fo[:a + 1], fr[:a + 1], start
+        start, anchor = start + a + 1, int(np.argmax(lr[a]))
+
+
+# --- loop level -----------------------------------------------------------------------------------
+
+SCHEDULERS = {"fixed": FixedLength(), "threshold": StaticThreshold(0.5), "none": None}
+
+
+def reference_generate(tiny_bundle, manifest, ids, temperature, seed, scheduler, max_new_tokens=40):
+    backend = TorchBackend(tiny_bundle.target, tiny_bundle.drafter if scheduler is not None else None, MAX_SEQ)
+    params = SamplingParams(temperature, max_new_tokens, seed, manifest.stop_token_ids)
+    return generate(backend, ids, params, scheduler)
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+def test_greedy_generate_matches_torch(tiny_bundle, manifest, engine, scheduler):
+    taus = []
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        ref = reference_generate(tiny_bundle, manifest, ids, 0.0, 0, SCHEDULERS[scheduler])
+        got = engine.generate(prompt, max_new_tokens=40, scheduler=scheduler)
+        m = greedy_match(ref.token_ids, got.token_ids, reference_logits(tiny_bundle.target, ids, ref.token_ids))
+        assert m.ok, f"{prompt!r} ({scheduler}): {m}"
+        assert got.finish_reason == ref.finish_reason
+        assert got.prompt_tokens == len(ids)
+        taus.append(got.stats.tau)
+        if scheduler != "none":
+            assert got.stats.emitted == ref.stats.emitted and got.stats.verified == ref.stats.verified
+    if scheduler == "fixed":
+        assert max(taus) > 1.5, "the copy drafter should be accepted in the tiny model's repetition loops"
+
+
+def test_sampled_generate_matches_torch(tiny_bundle, manifest, engine):
+    """Same seed, same uniforms: token-identical. A split would need an inverse-CDF draw within
+    ~1e-7 of a cumulative-probability boundary; none happens for these seeds (checked)."""
+    accepted = 0
+    for seed in range(5):
+        ids = engine.encode(PROMPT)
+        ref = reference_generate(tiny_bundle, manifest, ids, 1.0, seed, FixedLength())
+        got = engine.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=seed)
+        assert got.token_ids == ref.token_ids, f"seed {seed}"
+        assert got.stats.emitted == ref.stats.emitted
+        accepted += sum(ref.stats.emitted) - len(ref.stats.emitted)
+    assert accepted > 0, "some sampled drafts should be accepted, or the acceptance path is untested"
+
+
+def test_messages_and_raw_prompts(tiny_bundle, engine):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    expected = tiny_bundle.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
+    assert engine.encode(msgs) == list(expected["input_ids"])
+    assert engine.encode(PROMPT, chat=False) == tiny_bundle.tokenizer.encode(PROMPT, add_special_tokens=False)
+    r = engine.generate(msgs, max_new_tokens=8)
+    assert r.prompt_tokens == len(expected["input_ids"]) and 1 <= len(r.token_ids) <= 8
+
+
+# --- the lean runtime ------------------------------------------------------------------------------
+
+LEAN = """
+import importlib.abc, json, sys
+BLOCKED, attempts = ("torch", "transformers"), []
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            attempts.append(name)
+            raise ImportError(f"{name} is blocked: the runtime must not need it")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import dspark.runtime
+from dspark.runtime import Engine
+from dspark.runtime.cli import main
+
+engine = Engine.load(sys.argv[1], max_seq=128)
+result = engine.generate("Hello there, how are you?", max_new_tokens=24)
+assert result.token_ids and result.finish_reason in ("length", "stop"), result
+assert main(["generate", "--bundle", sys.argv[1], "--prompt", "Hi", "--max-new-tokens", "8", "--json",
+             "--max-seq", "64"]) == 0
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+print(json.dumps({"token_ids": result.token_ids, "loaded": loaded, "attempts": attempts}))
+"""
+
+
+def test_runtime_runs_without_torch(tiny_bundle, engine):
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(LEAN), str(tiny_bundle.path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["loaded"] == [], f"modules loaded despite the blocker: {out['loaded']}"
+    assert out["attempts"] == [], f"the runtime tried to import {out['attempts']}"
+    assert out["token_ids"] == engine.generate(PROMPT, max_new_tokens=24).token_ids
+
+
+# --- streaming and stop strings --------------------------------------------------------------------
+
+def test_streamed_text_equals_result_text(engine):
+    for prompt in PROMPTS:
+        pieces = []
+        r = engine.generate(prompt, max_new_tokens=40, on_text=pieces.append)
+        assert "".join(pieces) == r.text == engine.tokenizer.decode(r.token_ids)
+        assert len(pieces) > 1
+
+
+def test_stop_string_ends_generation_early(engine):
+    full = engine.generate(PROMPT, max_new_tokens=40, scheduler="none")
+    text = full.text
+    assert len(text) > 12, text
+    stop = text[len(text) // 3: len(text) // 3 + 2]
+    cut = text[:text.index(stop)]
+    for scheduler in ("none", "fixed"):
+        pieces = []
+        r = engine.generate(PROMPT, max_new_tokens=40, scheduler=scheduler, stop=[stop], on_text=pieces.append)
+        assert r.finish_reason == "stop_string", scheduler
+        assert r.text == cut and stop not in r.text
+        assert len(r.token_ids) < len(full.token_ids)
+        assert r.token_ids == full.token_ids[:len(r.token_ids)]
+        assert "".join(pieces).startswith(cut) and stop in "".join(pieces)
+    # a stop string that never occurs changes nothing
+    r = engine.generate(PROMPT, max_new_tokens=40, stop=["\u00e9\u00e9\u00e9"])
+    assert r.token_ids == full.token_ids and r.finish_reason == full.finish_reason
+
+
+# --- KV buffers ------------------------------------------------------------------------------------
+
+def kv_pointers(backend) -> list[int]:
+    return [a.ctypes.data for a in backend.target_kv.arrays + backend.draft_kv.arrays]
+
+
+def test_kv_buffers_are_reused(engine, monkeypatch):
+    be = engine.backend
+    before = kv_pointers(be)
+    seen = []
+    for kv in (be.target_kv, be.draft_kv):
+        write = kv.write
+
+        def recording(new_rows, start, _write=write):
+            seen.append(kv_pointers(be))
+            _write(new_rows, start)
+
+        monkeypatch.setattr(kv, "write", recording)
+
+    short, long_ = PROMPT, "Tell me a long story about a dragon who lived in a cave by the sea, please."
+    first = engine.generate(short, max_new_tokens=40)
+    engine.generate(long_, max_new_tokens=60, temperature=1.0, seed=3)  # fills rows past the short run's
+    again = engine.generate(short, max_new_tokens=40)
+    assert again.token_ids == first.token_ids  # positions restart; stale rows beyond them are never read
+    assert len(seen) > 20 and all(p == before for p in seen), "KV buffers were reallocated"
+    assert kv_pointers(be) == before
+    assert be.target_kv.max_seq == MAX_SEQ and all(a.flags.c_contiguous for a in be.target_kv.arrays)
+
+
+# --- the bundle on disk ----------------------------------------------------------------------------
+
+def test_bundle_files_are_complete_and_readable(tiny_bundle, manifest):
+    """Every file is in the manifest with its size and readable by other users (a service account
+    serving a bundle someone else exported); no temporary directory is left next to the bundle."""
+    files = {p.name: p for p in tiny_bundle.path.iterdir()}
+    assert set(files) == set(manifest.files) | {"manifest.json"}
+    for name, p in files.items():
+        assert p.stat().st_mode & 0o444 == 0o444, f"{name} has mode {oct(p.stat().st_mode & 0o777)}"
+    assert [p.name for p in tiny_bundle.path.parent.iterdir() if p.name.startswith(".")] == []
