@@ -18,6 +18,7 @@ from dspark.runtime.manifest import Manifest
 from .checkpoint import load_drafter
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
+from .ort_graph import export_target_ort, supports_ort_graph
 from .target_loader import LoadedTarget, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
@@ -50,7 +51,7 @@ def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tu
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
                   name: str | None = None, progress: bool = True) -> Manifest:
     out = Path(out)
-    steps = tqdm(total=5, desc="export", disable=not progress, unit="step")
+    steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
     target = load_target(target_path)
     steps.update()
@@ -67,6 +68,13 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             steps.set_postfix_str("exporting drafter graph")
             ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx")
             steps.update()
+            graphs = {"target": "target.onnx", "drafter": "drafter.onnx"}
+            if supports_ort_graph(target.model.cfg):
+                steps.set_postfix_str("writing ONNX Runtime target graph")
+                ops["target_ort"] = export_target_ort(target.model, drafter.cfg.target_layer_ids,
+                                                      tmp / "target_ort.onnx")
+                graphs["target_ort"] = "target_ort.onnx"
+            steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
         tok = target.tokenizer
@@ -74,7 +82,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             name=name or out.name,
             target=target.model.cfg,
             drafter=drafter.cfg,
-            graphs={"target": "target.onnx", "drafter": "drafter.onnx"},
+            graphs=graphs,
             tokenizer="tokenizer.json",
             chat_template=tok.chat_template,
             special_tokens={"bos_token": tok.bos_token, "eos_token": tok.eos_token,

@@ -27,6 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
+    p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
+                   help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
+                        "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
     p.add_argument("--max-seq", type=int, default=None,
                    help="positions preallocated in the KV buffers (default: 2048 or the model's limit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
@@ -75,7 +78,7 @@ def _load(args):
     from .engine import Engine
 
     return Engine.load(args.bundle, max_seq=args.max_seq, backend=args.backend, provider=args.provider,
-                       threads=args.threads)
+                       threads=args.threads, target_graph=args.target_graph)
 
 
 def _gen_kwargs(args) -> dict:

@@ -48,7 +48,7 @@ class Engine:
 
     @classmethod
     def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
-             provider: str = "cpu", threads: int | None = None) -> "Engine":
+             provider: str = "cpu", threads: int | None = None, target_graph: str = "auto") -> "Engine":
         """Validate the bundle's manifest, open its graphs and preallocate KV for `max_seq`
         positions (default: 2048 or the model's limit, whichever is smaller)."""
         bundle = Path(bundle)
@@ -63,7 +63,8 @@ class Engine:
         if tokenizer.vocab_size > manifest.target.vocab_size:
             raise InputError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{manifest.target.vocab_size}")
-        return cls(bundle, manifest, OrtBackend(bundle, manifest, max_seq, provider, threads), tokenizer)
+        backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph)
+        return cls(bundle, manifest, backend_, tokenizer)
 
     def encode(self, prompt: str | Sequence[dict[str, str]], chat: bool = True) -> list[int]:
         if not isinstance(prompt, str):

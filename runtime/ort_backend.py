@@ -34,7 +34,8 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 
 class _Graph:
-    """One ONNX Runtime session with its KV buffers bound once."""
+    """One ONNX Runtime session with its KV buffers bound once. Graphs that write the
+    cache in place (present_* outputs) get those outputs bound to the same memory."""
 
     def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str],
                  expect: dict[str, dict[int, int]]):
@@ -46,9 +47,15 @@ class _Graph:
             raise BundleError(f"cannot load {path}: {e}") from e
         self._check_shapes(path, kv, expect)
         self.binding = self.session.io_binding()
-        self.outputs = [o.name for o in self.session.get_outputs()]
+        names = [o.name for o in self.session.get_outputs()]
+        self.outputs = [n for n in names if not n.startswith("present_")]  # fetched each run
+        for name in self.outputs:  # bound first, so they come first in get_outputs()
+            self.binding.bind_output(name, "cpu")
         for name, buf in zip(past_names, kv.arrays):
-            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buf))
+            value = ort.OrtValue.ortvalue_from_numpy(buf)
+            self.binding.bind_ortvalue_input(name, value)
+            if name.replace("past_", "present_") in names:
+                self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
 
     def _check_shapes(self, path: Path, kv: KVBuffers, expect: dict[str, dict[int, int]]) -> None:
         """The graph must be the model the manifest describes: same number of layers, and the
@@ -71,19 +78,28 @@ class _Graph:
         for name in self.outputs:
             self.binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(self.binding)
-        return self.binding.copy_outputs_to_cpu()
+        return [v.numpy() for v in self.binding.get_outputs()[:len(self.outputs)]]
 
 
 class OrtBackend:
     """A `dspark.runtime.backend.Backend` over a bundle's ONNX graphs (batch 1)."""
 
     def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
-                 threads: int | None = None, speculative: bool = True):
+                 threads: int | None = None, speculative: bool = True, target_graph: str = "auto"):
+        """target_graph: "ort" = the ONNX Runtime variant (fused contrib ops, cache written in
+        place), "portable" = the standard-op graph TensorRT also reads, "auto" = "ort" on the
+        CPU provider when the bundle has it."""
         if provider not in PROVIDERS:
             raise InputError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise BundleError(f"{PROVIDERS[provider]} is not available in this onnxruntime build "
                               f"(have {ort.get_available_providers()})")
+        if target_graph not in ("auto", "ort", "portable"):
+            raise InputError(f"unknown target graph {target_graph!r}; choose auto, ort or portable")
+        if target_graph == "ort" and "target_ort" not in manifest.graphs:
+            raise BundleError(f"bundle {bundle} has no ONNX Runtime target graph (target_ort); re-run `dspark export`")
+        self.in_place = "target_ort" in manifest.graphs and (
+            target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
         t, d = manifest.target, manifest.drafter
         L = t.num_layers
         self.block_size = d.block_size if speculative else 0
@@ -92,7 +108,8 @@ class OrtBackend:
         self.target_kv = KVBuffers(L, 1, t.num_kv_heads, max_seq, t.head_dim)
         names = [f"past_key_{i}" for i in range(L)] + [f"past_value_{i}" for i in range(L)]
         kv_shape = {1: t.num_kv_heads, 3: t.head_dim}
-        self._target = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads, self.target_kv, names,
+        graph = manifest.graphs["target_ort" if self.in_place else "target"]
+        self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names,
                               {names[0]: kv_shape, "logits": {2: t.vocab_size}, "features": {2: d.feature_dim}})
         self._drafter = None
         if speculative:
@@ -105,6 +122,14 @@ class OrtBackend:
 
     def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
         S = len(tokens)
+        if self.in_place:  # the graph writes K/V rows start..start+S-1 into the bound buffers itself
+            logits, features = self._target.run(
+                input_ids=np.asarray(tokens, np.int64)[None],  # [1, S]
+                logit_index=np.arange(S - logit_rows, S, dtype=np.int64)[None],  # [1, K]
+                seqlens_k=np.array([start + S - 1], np.int32),  # last position written
+                total_len=np.array(start + S, np.int32),
+            )
+            return logits[0], features[0]
         logits, features, *new_kv = self._target.run(
             input_ids=np.asarray(tokens, np.int64)[None],  # [1, S]
             positions=np.arange(start, start + S, dtype=np.int64)[None],  # [1, S]

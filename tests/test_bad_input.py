@@ -97,11 +97,6 @@ BUNDLE_CASES = {
     "missing_target_onnx": (_remove("target.onnx"), BundleError, "missing target.onnx"),
     "missing_external_data": (_remove("drafter.onnx.data"), BundleError, "missing drafter.onnx.data"),
     "truncated_target_onnx": (_truncate("target.onnx"), BundleError, "the manifest says"),
-    "truncated_target_onnx_sizes_rewritten": (_truncate("target.onnx", keep_sizes=True), BundleError,
-                                              "cannot load"),
-    "truncated_target_data_sizes_rewritten": (_truncate("target.onnx.data", keep_sizes=True), BundleError,
-                                              "cannot load"),
-    "corrupt_target_onnx_same_size": (_garbage("target.onnx"), BundleError, "cannot load"),
     "corrupt_tokenizer_same_size": (_garbage("tokenizer.json"), BundleError, "tokenizer"),
     "file_size_mismatch": (_append("drafter.onnx.data"), BundleError, "the manifest says"),
     "other_bundle_format": (_manifest(lambda m: m.update(bundle_format=99, exporter_version="9.9.9")), BundleError,
@@ -114,6 +109,14 @@ BUNDLE_CASES = {
     "manifest_not_an_object": (lambda d: (d / "manifest.json").write_text("[1, 2]"), BundleError, "not a manifest"),
     "manifest_without_target": (_manifest(lambda m: m.pop("target")), BundleError, "malformed"),
 }
+# Damaged contents of either target graph, each loaded through the --target-graph that reads it.
+GRAPH_OF = {"target.onnx": "portable", "target_ort.onnx": "ort"}
+for _file in GRAPH_OF:
+    _stem = _file.replace(".onnx", "")
+    BUNDLE_CASES[f"truncated_{_stem}_sizes_rewritten"] = (_truncate(_file, keep_sizes=True), BundleError, "cannot load")
+    BUNDLE_CASES[f"truncated_{_stem}_data_sizes_rewritten"] = (_truncate(_file + ".data", keep_sizes=True),
+                                                               BundleError, "cannot load")
+    BUNDLE_CASES[f"corrupt_{_stem}_same_size"] = (_garbage(_file), BundleError, "cannot load")
 
 
 @pytest.fixture
@@ -126,12 +129,14 @@ def bundle_copy(tiny_bundle, tmp_path) -> Path:
 @pytest.mark.parametrize("case", list(BUNDLE_CASES))
 def test_bad_bundle(case, bundle_copy, good, capsys):
     mutate, error, fragment = BUNDLE_CASES[case]
+    stems = sorted(GRAPH_OF, key=len, reverse=True)  # target_ort before target
+    graph = next((GRAPH_OF[f] for f in stems if f"_{f.replace('.onnx', '')}_" in f"_{case}_"), "auto")
     mutate(bundle_copy)
     for command in ("generate", "chat"):
-        argv = [command, "--bundle", str(bundle_copy), "--max-seq", "64"]
+        argv = [command, "--bundle", str(bundle_copy), "--max-seq", "64", "--target-graph", graph]
         assert_cli_error(capsys, argv + (["--prompt", PROMPT] if command == "generate" else []), fragment)
     with pytest.raises(error) as e:
-        Engine.load(bundle_copy, max_seq=64).generate(PROMPT, max_new_tokens=4)
+        Engine.load(bundle_copy, max_seq=64, target_graph=graph).generate(PROMPT, max_new_tokens=4)
     assert fragment.lower() in str(e.value).lower()
     still_serving(good)
 

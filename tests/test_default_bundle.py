@@ -71,12 +71,13 @@ def test_manifest_is_valid_and_labelled(default_bundle, manifest):
     assert {"target", "drafter"} <= set(m.extra["ops"])
 
 
-def test_target_graph_matches_torch(default_bundle, manifest, smollm2):
+@pytest.mark.parametrize("graph", ["ort", "portable"])
+def test_target_graph_matches_torch(default_bundle, manifest, smollm2, graph):
     """Prefill (every row) and two verification steps (S = γ+1, the second after a partial
     accept): logits within 2e-3 with the same argmax at every row, features within
     2e-3 + 2e-3·|ref| elementwise."""
     gamma = manifest.drafter.block_size
-    ort_be = OrtBackend(default_bundle.path, manifest, 256, speculative=False)
+    ort_be = OrtBackend(default_bundle.path, manifest, 256, speculative=False, target_graph=graph)
     ref = TorchBackend(smollm2.model, None, 256)
     ref.feature_ids = manifest.drafter.target_layer_ids  # the features the bundle's target graph returns
     ids = np.asarray(chat_ids(smollm2.tokenizer, [{"role": "user", "content": PROMPTS[2]}]), np.int64)
@@ -166,7 +167,7 @@ def test_no_speculation_gives_the_same_tokens(default_bundle, smollm2, capsys):
     for other in (spec, thr):
         m = greedy_match(alone["token_ids"], other["token_ids"], ref)
         assert m.ok, str(m)
-    assert alone["stats"]["cycles"] == 0 and spec["stats"]["cycles"] >= 1
+    assert alone["stats"]["mean_verified"] == 0 and spec["stats"]["mean_verified"] > 0
 
 
 def test_chat_over_stdin(default_bundle):

@@ -46,13 +46,16 @@ def close(a, b, what, tol=TOL):
 
 # --- step level -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("graph", ["ort", "portable"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature):
-    """prefill → draft → verify (S = γ+1) → draft → verify, same inputs and uniforms on both."""
+def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature, graph):
+    """prefill → draft → verify (S = γ+1) → draft → verify, same inputs and uniforms on both,
+    for both target graphs (the ONNX Runtime variant writes its cache in place)."""
     gamma = manifest.drafter.block_size
     ids = np.asarray(engine.encode(PROMPT), np.int64)
     n = len(ids)
-    ort_be = OrtBackend(tiny_bundle.path, manifest, 128)
+    ort_be = OrtBackend(tiny_bundle.path, manifest, 128, target_graph=graph)
+    assert ort_be.in_place == (graph == "ort")
     ref_be = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, 128)
     assert ort_be.block_size == ref_be.block_size == gamma
 

@@ -1,0 +1,144 @@
+"""The target as an ONNX Runtime-specific graph, built node by node with onnx.helper.
+
+The portable graph (graphs.TargetGraph) uses standard ONNX ops only, so TensorRT can
+parse it. On ONNX Runtime's CPU provider its ~1,900 small nodes cost several ms a step,
+so the ORT backend runs this variant instead: per layer one fused RMSNorm+residual
+(`SkipSimplifiedLayerNormalization`), one q/k/v projection and one
+`GroupQueryAttention` that applies RoPE and writes the new K/V rows in place into the
+static cache buffer it is given (past and present bound to the same memory).
+
+inputs:  input_ids [B, S] int64, logit_index [B, K] int64, seqlens_k [B] int32 (the last
+         position written, = P + S - 1), total_len [] int32 (= P + S),
+         past_key_i / past_value_i [B, Hkv, S_max, D]
+outputs: logits [B, K, V], features [B, S, m*d], present_key_i / present_value_i
+         (the same buffers as past_*, bound by the runtime)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from .target import TargetModel
+
+MS = "com.microsoft"
+
+
+def supports_ort_graph(cfg) -> bool:
+    """ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of 16."""
+    return cfg.head_dim % 16 == 0
+
+
+class _Builder:
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
+        arr = t.detach().float().numpy() if isinstance(t, torch.Tensor) else t
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), f"w.{name}"))
+        return f"w.{name}"
+
+    def op(self, op_type: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
+        outs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=f"{op_type}_{len(self.nodes)}",
+                                           domain=domain, **attrs))
+        return outs[0]
+
+
+def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> onnx.ModelProto:
+    c = model.cfg
+    L, H, Hkv, D, eps = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    g = _Builder()
+    embed = g.weight("embed_tokens", model.embed_tokens.weight)
+    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    freqs = np.arange(c.max_position_embeddings, dtype=np.float32)[:, None] * inv_freq  # [max_pos, D/2]
+    cos, sin = g.weight("cos_cache", np.cos(freqs)), g.weight("sin_cache", np.sin(freqs))
+    if c.qk_norm:
+        shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
+        shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
+        shape_flat = g.weight("shape_flat", np.array([0, 0, -1], np.int64))
+        splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
+
+    resid = g.op("Gather", [embed, "input_ids"], "resid_0")  # [B, S, d]
+    feats = [resid] if -1 in feature_layer_ids else []
+    h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
+             "h_0", axis=-1, epsilon=eps)
+    for i, layer in enumerate(model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).T  # [d, (H+2Hkv)D]
+        qkv = g.op("MatMul", [h, g.weight(f"qkv_{i}", qkv)], f"qkv_{i}")
+        if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
+            q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
+            q = g.op("Reshape", [q, shape_q], f"qh_{i}")
+            k = g.op("Reshape", [k, shape_k], f"kh_{i}")
+            q = g.op("SimplifiedLayerNormalization", [q, g.weight(f"q_norm_{i}", a.q_norm.weight)], f"qn_{i}",
+                     axis=-1, epsilon=eps)
+            k = g.op("SimplifiedLayerNormalization", [k, g.weight(f"k_norm_{i}", a.k_norm.weight)], f"kn_{i}",
+                     axis=-1, epsilon=eps)
+            attn_in = [g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}"), v]
+        else:
+            attn_in = [qkv, "", ""]  # packed q/k/v
+        o = g.op("GroupQueryAttention",
+                 [*attn_in, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_len", cos, sin],
+                 [f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], domain=MS,
+                 num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
+        o = g.op("MatMul", [o, g.weight(f"o_{i}", a.o_proj.weight.T)], f"o_{i}")
+        h = g.op("SkipSimplifiedLayerNormalization",
+                 [o, resid, g.weight(f"norm_post_{i}", layer.post_attention_layernorm.weight)],
+                 [f"hp_{i}", "", "", f"resid_attn_{i}"], domain=MS, epsilon=eps)
+        resid = f"resid_attn_{i}"  # residual stream after attention
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T  # [d, 2I]
+        gu = g.op("MatMul", [h, g.weight(f"gate_up_{i}", gate_up)], f"gu_{i}")
+        g.op("Split", [gu], [f"gate_{i}", f"up_{i}"], axis=-1, num_outputs=2)
+        gate, up = f"gate_{i}", f"up_{i}"
+        act = g.op("QuickGelu", [gate], f"silu_{i}", domain=MS, alpha=1.0)  # x·sigmoid(x)
+        m = g.op("MatMul", [g.op("Mul", [act, up], f"act_{i}"), g.weight(f"down_{i}", mlp.down_proj.weight.T)],
+                 f"mlp_{i}")
+        next_norm = model.layers[i + 1].input_layernorm.weight if i + 1 < L else model.norm.weight
+        h = g.op("SkipSimplifiedLayerNormalization", [m, resid, g.weight(f"norm_next_{i}", next_norm)],
+                 [f"h_{i + 1}", "", "", f"resid_{i + 1}"], domain=MS, epsilon=eps)
+        resid = f"resid_{i + 1}"  # the output of layer i
+        if i in feature_layer_ids:
+            feats.append(resid)
+    features = g.op("Concat", feats, "features", axis=-1) if feats else g.op("Identity", [resid], "features")
+    d = c.hidden_size
+    idx = g.op("Unsqueeze", ["logit_index", g.weight("axis_last", np.array([-1], np.int64))], "idx3")
+    idx = g.op("Expand", [idx, g.op("Concat", [g.op("Shape", ["logit_index"], "idx_shape"),
+                                               g.weight("hidden", np.array([d], np.int64))], "idx_full", axis=0)],
+               "idx_exp")
+    rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
+    flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
+    lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
+    logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
+    out_shape = g.op("Concat", [g.op("Shape", ["logit_index"], "k_shape"),
+                                g.weight("vocab", np.array([c.vocab_size], np.int64))], "logits_shape", axis=0)
+    g.op("Reshape", [logits, out_shape], "logits")
+
+    kv = [f"{p}_{k}_{i}" for p in ("past",) for k in ("key", "value") for i in range(L)]
+    inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "query"]),
+              helper.make_tensor_value_info("logit_index", TP.INT64, ["batch", "rows"]),
+              helper.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
+              helper.make_tensor_value_info("total_len", TP.INT32, []),
+              *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in kv]]
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", "rows", c.vocab_size]),
+               helper.make_tensor_value_info("features", TP.FLOAT, ["batch", "query", None]),
+               *[helper.make_tensor_value_info(n.replace("past", "present"), TP.FLOAT, ["batch", Hkv, "max_seq", D])
+                 for n in kv]]
+    graph = helper.make_graph(g.nodes, "dspark_target_ort", inputs, outputs, g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
+                             producer_name="dspark-trt")
+
+
+def export_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...], path: Path) -> list[str]:
+    with torch.no_grad():
+        proto = build_target_ort(model, tuple(feature_layer_ids))
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    # onnx.checker knows no contrib ops (SimplifiedLayerNormalization is registered by ONNX
+    # Runtime itself), so this graph is validated by opening an ONNX Runtime session instead.
+    return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in proto.graph.node})
