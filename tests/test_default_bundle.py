@@ -54,8 +54,10 @@ def chat_ids(tokenizer, messages) -> list[int]:
 def test_manifest_is_valid_and_labelled(default_bundle, manifest):
     m = manifest
     assert m.bundle_format == BUNDLE_FORMAT and m.dtype == "float32"
-    assert m.graphs == {"target": "target.onnx", "drafter": "drafter.onnx"} and m.tokenizer == "tokenizer.json"
-    for name in ("target.onnx", "target.onnx.data", "drafter.onnx", "drafter.onnx.data", "tokenizer.json"):
+    assert m.graphs == {"target": "target.onnx", "target_ort": "target_ort.onnx", "drafter": "drafter.onnx"}
+    assert m.tokenizer == "tokenizer.json"
+    for name in ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data", "drafter.onnx",
+                 "drafter.onnx.data", "tokenizer.json"):
         assert m.files[name] == (default_bundle.path / name).stat().st_size
     t, d = m.target, m.drafter
     assert (t.arch, t.num_layers, t.vocab_size, t.hidden_size) == ("llama", 30, 49152, 576)
