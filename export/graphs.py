@@ -139,7 +139,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class SequentialStage(nn.Module):
     """The γ left-to-right steps (dspark.md §3–4), unrolled: Markov bias, sampling by
     inverse CDF from the supplied uniforms (argmax where temperature is 0), confidence.
-    A module of its own so that profiles can attribute its nodes (namespace 'sequential')."""
+    When every row is greedy, an `If` takes a branch without the softmax and cumulative
+    sums over the vocabulary. A module of its own so that profiles can attribute its nodes."""
 
     def __init__(self, drafter: Drafter):
         super().__init__()
@@ -147,6 +148,15 @@ class SequentialStage(nn.Module):
 
     def forward(self, h, base, anchor, temperature, uniforms):
         """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
+        return torch.cond((temperature <= 0).all(), self.greedy, self.sampled, (h, base, anchor, temperature, uniforms))
+
+    def greedy(self, h, base, anchor, temperature, uniforms):
+        return self.steps(h, base, anchor, temperature, uniforms, sample=False)
+
+    def sampled(self, h, base, anchor, temperature, uniforms):
+        return self.steps(h, base, anchor, temperature, uniforms, sample=True)
+
+    def steps(self, h, base, anchor, temperature, uniforms, sample: bool):
         d, c = self.drafter, self.drafter.cfg
         B, gamma, V = base.shape
         greedy = temperature[:, None] <= 0  # [B, 1]
@@ -160,10 +170,14 @@ class SequentialStage(nn.Module):
             if d.markov_head is not None:
                 bias, state = d.markov_head.step(h[:, k], prev, state)
                 z = z + bias
-            p = torch.softmax(z * inv_t[:, None], dim=-1)
             top = torch.argmax(z, dim=-1)
-            tok = torch.where(greedy[:, 0], top, inverse_cdf(p, uniforms[:, k]))
-            p = torch.where(greedy, (vocab[None, :] == top[:, None]).to(p.dtype), p)
+            one_hot = (vocab[None, :] == top[:, None]).to(z.dtype)
+            if sample:
+                p = torch.softmax(z * inv_t[:, None], dim=-1)
+                tok = torch.where(greedy[:, 0], top, inverse_cdf(p, uniforms[:, k]))
+                p = torch.where(greedy, one_hot, p)
+            else:
+                tok, p = top, one_hot
             if d.confidence_head is not None:
                 inp = h[:, k]
                 if c.confidence_head_with_markov:

@@ -34,6 +34,15 @@ Tanh TensorScatter ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample 
 CONSTANT_INPUTS = {"CumSum": 1, "ReduceMean": 1, "ReduceSum": 1, "ReduceMax": 1, "Squeeze": 1, "Unsqueeze": 1}
 
 
+def walk_nodes(graph: onnx.GraphProto):
+    """Every node of `graph`, including those inside If/Loop/Scan branches."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from walk_nodes(attr.g)
+
+
 def check_graph(path: str | Path) -> list[str]:
     """Problems that would stop TensorRT from parsing the graph (empty = none found)."""
     model = onnx.load(str(path), load_external_data=False)
@@ -41,9 +50,10 @@ def check_graph(path: str | Path) -> list[str]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None or not OPSET_RANGE[0] <= opset <= OPSET_RANGE[1]:
         problems.append(f"opset {opset} is outside TensorRT {TENSORRT_VERSION}'s range {OPSET_RANGE}")
+    nodes = list(walk_nodes(model.graph))
     constants = {i.name for i in model.graph.initializer}
-    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
-    for node in model.graph.node:
+    constants |= {o for n in nodes if n.op_type == "Constant" for o in n.output}
+    for node in nodes:
         if node.domain not in ("", "ai.onnx"):
             problems.append(f"{node.name}: {node.domain}::{node.op_type} is not a standard ONNX operator")
         elif node.op_type not in SUPPORTED:
@@ -56,4 +66,4 @@ def check_graph(path: str | Path) -> list[str]:
 
 def graph_ops(path: str | Path) -> list[str]:
     model = onnx.load(str(path), load_external_data=False)
-    return sorted({n.op_type for n in model.graph.node})
+    return sorted({n.op_type for n in walk_nodes(model.graph)})

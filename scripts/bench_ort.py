@@ -237,8 +237,17 @@ def profile_drafter(bundle: Path, graph: str, threads: int, captured: list[dict]
         md = {p.key: p.value for p in node.metadata_props}
         return SEQ_MARK in md.get(HIERARCHY_KEY, "")
 
-    by_name = {n.name: is_seq(n) for n in g0.node}
-    by_output = {o: is_seq(n) for n in g0.node for o in n.output if o}
+    def walk(graph, inherited: bool = False):  # nodes inside If branches belong to their If's stage
+        for n in graph.node:
+            seq = inherited or is_seq(n)
+            yield n, seq
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    yield from walk(a.g, seq)
+
+    nodes0 = list(walk(g0))
+    by_name = {n.name: seq for n, seq in nodes0}
+    by_output = {o: seq for n, seq in nodes0 for o in n.output if o}
     n_seq_nodes = sum(by_name.values())
 
     with tempfile.TemporaryDirectory(prefix="bench_ort_prof_") as tmp:
@@ -255,7 +264,7 @@ def profile_drafter(bundle: Path, graph: str, threads: int, captured: list[dict]
         prof_file = sess.end_profiling()
         events = json.loads(Path(prof_file).read_text())
         g1 = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
-    opt_nodes = {n.name: n for n in g1.node}
+    opt_nodes = {n.name: n for n, _ in walk(g1)}
 
     def attribute(name: str) -> bool | None:
         if name in by_name:

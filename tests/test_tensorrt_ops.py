@@ -44,3 +44,17 @@ def test_check_requires_constant_axes_and_opset(tmp_path):
     assert check_graph(ok) == []
     old = _graph(tmp_path, [helper.make_node("Relu", ["x"], ["y"], name="r")], opset=7)
     assert any("opset 7" in m for m in check_graph(old))
+
+
+def test_check_looks_inside_if_branches(tmp_path):
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    bad = helper.make_graph([helper.make_node("Unique", ["x"], ["y"], name="inner_unique")], "then", [], [y])
+    good = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="inner_relu")], "else", [], [y])
+    cond = helper.make_tensor_value_info("c", TensorProto.BOOL, [])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], name="if", then_branch=bad, else_branch=good)],
+                              "g", [cond, x], [y])
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    assert any("inner_unique: Unique" in m for m in check_graph(path))
+    assert {"If", "Unique", "Relu"} <= set(graph_ops(path))
