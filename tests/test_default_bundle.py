@@ -105,6 +105,34 @@ def test_target_graph_matches_torch(default_bundle, manifest, smollm2, graph):
     compare(block2, n + a + 1, gamma + 1, "verify 2")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperature):
+    """The bundle's drafter (the untrained default is `init_drafter(target)`, deterministic)
+    against the torch reference on real SmolLM2 features: two rounds, same uniforms;
+    draft probabilities and confidence logits within 2e-3, identical draft tokens."""
+    if not manifest.drafter_label.startswith("untrained"):
+        pytest.skip("the bundle ships a trained drafter; this test rebuilds the untrained default")
+    from dspark.export.drafter import init_drafter
+
+    ort_be = OrtBackend(default_bundle.path, manifest, 256)
+    ref = TorchBackend(smollm2.model, init_drafter(smollm2.model), 256)
+    ids = np.asarray(chat_ids(smollm2.tokenizer, [{"role": "user", "content": PROMPTS[2]}]), np.int64)
+    n, gamma = len(ids), manifest.drafter.block_size
+    logits, feats = ref.target(ids, 0, 1)
+    anchor, rng = int(logits[-1].argmax()), np.random.default_rng(0)
+    ctx, ctx_start, start = feats, 0, n
+    for round_ in range(2):
+        u = rng.random(gamma)
+        do = ort_be.draft(ctx, ctx_start, anchor, start, temperature, u)
+        dr = ref.draft(ctx, ctx_start, anchor, start, temperature, u)
+        assert do.tokens.tolist() == dr.tokens.tolist(), f"round {round_}: draft tokens"
+        np.testing.assert_allclose(do.probs, dr.probs, atol=2e-3, err_msg=f"round {round_}: draft probs")
+        np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=2e-3)
+        block = np.concatenate([[anchor], dr.tokens]).astype(np.int64)
+        logits, feats = ref.target(block, start, gamma + 1)
+        ctx, ctx_start, start, anchor = feats[:2], start, start + 2, int(logits[1].argmax())
+
+
 @pytest.fixture(scope="module")
 def transformers_greedy(smollm2, smollm2_hf):
     """transformers' own greedy generate on the GGUF: prompt ids, generated ids, their logits."""
