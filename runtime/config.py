@@ -30,6 +30,23 @@ def _require(cfg: dict[str, Any], key: str, what: str) -> Any:
     return cfg[key]
 
 
+def _layer_dims(cfg: dict[str, Any], what: str) -> dict[str, Any]:
+    """The transformer dimensions both configs share, from a Hugging Face config dict."""
+    heads = int(_require(cfg, "num_attention_heads", what))
+    hidden = int(_require(cfg, "hidden_size", what))
+    return dict(
+        vocab_size=int(_require(cfg, "vocab_size", what)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size", what)),
+        num_layers=int(_require(cfg, "num_hidden_layers", what)),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rope_theta=_rope_theta(cfg),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    )
+
+
 @dataclass(frozen=True)
 class TargetConfig:
     """A decoder-only target: Llama family or Qwen3 family (per-head q/k RMSNorm)."""
@@ -62,21 +79,11 @@ class TargetConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if cfg.get(flag):
                 raise ConfigError(f"{what}: {flag} is true; biased projections are not supported")
-        heads = int(_require(cfg, "num_attention_heads", what))
-        hidden = int(_require(cfg, "hidden_size", what))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             arch=TARGET_ARCHS[model_type],
-            vocab_size=int(_require(cfg, "vocab_size", what)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", what)),
-            num_layers=int(_require(cfg, "num_hidden_layers", what)),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(cfg),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            **_layer_dims(cfg, what),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -118,8 +125,6 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "DrafterConfig":
         what = "drafter config"
-        heads = int(_require(cfg, "num_attention_heads", what))
-        hidden = int(_require(cfg, "hidden_size", what))
         rank = int(cfg.get("markov_rank", 0) or 0)
         head_type = cfg.get("markov_head_type") if rank > 0 else None
         if rank > 0 and head_type not in MARKOV_HEAD_TYPES:
@@ -133,15 +138,7 @@ class DrafterConfig:
         ids = tuple(int(i) for i in _require(cfg, "target_layer_ids", what))
         n_target = int(_require(cfg, "num_target_layers", what))
         c = cls(
-            vocab_size=int(_require(cfg, "vocab_size", what)),
-            hidden_size=hidden,
-            intermediate_size=int(_require(cfg, "intermediate_size", what)),
-            num_layers=int(_require(cfg, "num_hidden_layers", what)),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=_rope_theta(cfg),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            **_layer_dims(cfg, what),
             num_target_layers=n_target,
             block_size=int(_require(cfg, "block_size", what)),
             target_layer_ids=ids,
