@@ -99,3 +99,14 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     out = tmp_path_factory.mktemp("default") / "smollm2"
     assert main(["export", "--out", str(out)]) == 0
     return BundleInfo(out, None, None)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy 2-core machine threads cost a lot."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
