@@ -178,8 +178,7 @@ def cmd_generate(args) -> int:
     prompts = load_train_prompts(args.prompts, limit=args.limit)  # refuses bench paths, checks files: before compute
     print(f"{len(prompts)} prompts from the train files", file=sys.stderr)
     device = _device(args.device)
-    model, tok = load_generator(args.target, device=device,
-                                dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    model, tok = load_generator(args.target, device=device, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     if args.self_prompts:
         path = data / "prompts-self.jsonl"
         have = read_prompts(path) if path.exists() else []
@@ -339,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
     q.add_argument("--max-new-tokens", type=int, default=512, help="response length cap (default 512)")
     q.add_argument("--batch", type=int, default=16, help="prompts per generate call (default 16)")
+    q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="generation precision (default bf16: "
+                   "2.5x faster than fp32 on an AVX512-bf16 CPU, 315 vs 125 tok/s at batch 32; the responses are "
+                   "the target's own up to bf16 rounding)")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(fn=cmd_generate)
 
