@@ -4,6 +4,7 @@
     dspark generate --bundle engines/smollm2 --prompt "What is 17 * 23?"
     dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
     dspark chat --bundle engines/smollm2
+    dspark bench --bundle engines/smollm2 --bundle engines/smollm2-dflash   # Table 1 + Figure 2
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --temperature 0.7 --seed 1 --json
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
+  dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash
 """
 
 
@@ -71,6 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
                        "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
     _add_engine_args(p)
+
+    from .bench import DATASETS
+    p = sub.add_parser("bench", help="accepted length per benchmark dataset (the paper's Table 1 and Figure 2)",
+                       description="Accepted length τ (accepted drafts + the emitted token, per cycle) with every "
+                       "cycle verifying all γ drafts, on the first --prompts prompts (first turn) of each "
+                       "benchmark set, at each temperature, for each bundle. Prints the table with per-domain "
+                       "means and the macro-average, the share of cycles inside greedy repetition loops, and "
+                       "writes OUT/bench.json and OUT/acceptance.png (per-position conditional acceptance).")
+    p.add_argument("--bundle", action="append", required=True, help="bundle directory (repeat to compare drafters)")
+    p.add_argument("--label", action="append", default=None, help="name of each --bundle in the table (default: "
+                   "the bundle's name)")
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS), help=f"default: {' '.join(DATASETS)}")
+    p.add_argument("--prompts", type=int, default=10, help="prompts per dataset (default 10)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per prompt (default 192)")
+    p.add_argument("--data", default=None, help="folder of the benchmark JSON Lines (default: ../shared/data/bench)")
+    p.add_argument("--out", default="out/bench", help="folder for bench.json and acceptance.png (default out/bench)")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: every core)")
     return parser
 
 
@@ -151,7 +171,23 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": r.text})
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from .bench import default_data_dir, run
+
+    rep = run(args.bundle, args.label, args.datasets, args.prompts, args.temperatures, args.max_new_tokens,
+              Path(args.data) if args.data else default_data_dir(), Path(args.out), args.threads)
+    print(rep["report"]["table"])
+    for label, by_temp in rep["cells"].items():
+        for temp, cells in by_temp.items():
+            loops = ", ".join(f"{n} {c.loop_share:.0%} (τ without {c.tau_without_loops:.2f})" for n, c in cells.items())
+            print(f"{label} T={temp}: cycles inside repetition loops: {loops}")
+    print(f"wrote {args.out}/bench.json and {args.out}/acceptance.png", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

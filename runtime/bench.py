@@ -1,0 +1,224 @@
+"""`dspark bench`: the paper's Table 1 and Figure 2 on a bundle's target.
+
+Accepted length τ (dspark.md §1: accepted drafts + the emitted token, per cycle) on the
+benchmark prompt sets, at fixed full-block verification (every cycle verifies all γ
+drafts, as the paper's offline evaluation does), for one or more bundles that share a
+target and differ in their drafter. Reports τ per dataset and temperature, the mean per
+domain and the macro-average over domains; the per-position conditional acceptance
+P(slot k accepted | slots < k accepted) as a PNG (Figure 2); and, because greedy
+decoding of a small model falls into repetition loops that inflate τ, the share of
+cycles spent inside one and τ without them.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+# name -> domain, in the paper's column order
+DATASETS = {"gsm8k": "math", "math500": "math", "humaneval": "code", "mbpp": "code",
+            "mt-bench": "chat", "arena-hard-v2": "chat"}
+DOMAINS = ("math", "code", "chat")
+LOOP_WINDOW = 16  # a token is inside a repetition loop when the 16 tokens ending at it occurred before
+
+
+def default_data_dir() -> Path:
+    """../shared/data/bench beside the project checkout (or beside the working directory)."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        cand = root.parent / "shared" / "data" / "bench"
+        if cand.is_dir():
+            return cand
+    return Path("../shared/data/bench")
+
+
+def read_prompts(data_dir: Path, name: str, n: int) -> list[str]:
+    """The first turn of the first `n` records of `data_dir/name.jsonl`."""
+    path = data_dir / f"{name}.jsonl"
+    if not path.exists():
+        raise InputError(f"{path}: no such benchmark file (datasets: {', '.join(DATASETS)}; --data sets the folder)")
+    out = []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise InputError(f"{path}:{no}: expected a JSON object with a 'turns' list") from None
+        out.append(turns[0])
+        if len(out) == n:
+            break
+    return out
+
+
+def loop_tokens(token_ids: Sequence[int], window: int = LOOP_WINDOW) -> np.ndarray:
+    """[N] bool: token t closes a `window`-gram that already occurred earlier in the output."""
+    seen: set[tuple[int, ...]] = set()
+    out = np.zeros(len(token_ids), bool)
+    for t in range(window - 1, len(token_ids)):
+        gram = tuple(token_ids[t - window + 1:t + 1])
+        out[t] = gram in seen
+        seen.add(gram)
+    return out
+
+
+def loop_cycles(token_ids: Sequence[int], emitted: Sequence[int], window: int = LOOP_WINDOW) -> np.ndarray:
+    """[cycles] bool: every token a cycle committed lies inside a repetition loop. Token 0
+    comes from the prefill; cycle c committed the next emitted[c] tokens (the last one may
+    have been cut by the budget or a stop token)."""
+    inside = loop_tokens(token_ids, window)
+    ends = np.minimum(1 + np.cumsum(emitted), len(token_ids))  # [cycles]
+    starts = np.concatenate([[1], ends[:-1]])
+    return np.array([e > s and bool(inside[s:e].all()) for s, e in zip(starts, ends)], bool)
+
+
+@dataclass
+class Cell:
+    """Everything measured for one (drafter, temperature, dataset)."""
+    prompts: int = 0
+    cycles: int = 0
+    tokens: int = 0  # emitted by cycles (the prefill's token excluded)
+    loop_cycles: int = 0
+    loop_tokens: int = 0
+    attempts: list[int] = field(default_factory=list)  # [γ]
+    accepts: list[int] = field(default_factory=list)  # [γ]
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.cycles if self.cycles else float("nan")
+
+    @property
+    def tau_without_loops(self) -> float:
+        n = self.cycles - self.loop_cycles
+        return (self.tokens - self.loop_tokens) / n if n else float("nan")
+
+    @property
+    def loop_share(self) -> float:
+        return self.loop_cycles / self.cycles if self.cycles else float("nan")
+
+    def add(self, token_ids: list[int], emitted: list[int], attempts: np.ndarray, accepts: np.ndarray) -> None:
+        loops = loop_cycles(token_ids, emitted)
+        em = np.asarray(emitted)
+        self.prompts += 1
+        self.cycles += len(em)
+        self.tokens += int(em.sum())
+        self.loop_cycles += int(loops.sum())
+        self.loop_tokens += int(em[loops].sum())
+        self.attempts = list(np.asarray(self.attempts or np.zeros_like(attempts)) + attempts)
+        self.accepts = list(np.asarray(self.accepts or np.zeros_like(accepts)) + accepts)
+
+
+def run_cell(engine: "Engine", prompts: Sequence[str], temperature: float, max_new_tokens: int, bar=None) -> Cell:
+    cell = Cell()
+    for i, prompt in enumerate(prompts):
+        r = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i, scheduler="fixed")
+        s = r.stats
+        cell.add(r.token_ids, s.emitted, s.attempts, s.accepts)
+        if bar is not None:
+            bar.update()
+    cell.attempts = [int(x) for x in cell.attempts]
+    cell.accepts = [int(x) for x in cell.accepts]
+    return cell
+
+
+def domain_means(taus: dict[str, float]) -> dict[str, float]:
+    """Mean τ per domain over the datasets present, and 'macro' = the mean of the domain means."""
+    out = {}
+    for d in DOMAINS:
+        vals = [t for name, t in taus.items() if DATASETS.get(name) == d]
+        if vals:
+            out[d] = float(np.mean(vals))
+    out["macro"] = float(np.mean(list(out.values())))
+    return out
+
+
+def markdown_table(results: dict, datasets: Sequence[str]) -> str:
+    doms = [d for d in DOMAINS if any(DATASETS[n] == d for n in datasets)]
+    head = ["drafter", "T", *datasets, *doms, "macro"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, by_temp in results.items():
+        for temp, cells in by_temp.items():
+            taus = {n: cells[n].tau for n in datasets}
+            dm = domain_means(taus)
+            row = [label, temp, *(f"{taus[n]:.2f}" for n in datasets), *(f"{dm[d]:.2f}" for d in doms),
+                   f"{dm['macro']:.2f}"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot_acceptance(results: dict, path: Path) -> None:
+    """Figure 2: per-position conditional acceptance, pooled over datasets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, by_temp in results.items():
+        for temp, cells in by_temp.items():
+            att = np.sum([c.attempts for c in cells.values()], axis=0)
+            acc = np.sum([c.accepts for c in cells.values()], axis=0)
+            rate = np.where(att > 0, acc / np.maximum(att, 1), np.nan)
+            ax.plot(np.arange(1, len(rate) + 1), rate, marker="o", label=f"{label}, T={temp}")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Per-position conditional acceptance (fixed full-block verification)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(bundles: Sequence[str], labels: Sequence[str] | None, datasets: Sequence[str], n_prompts: int,
+        temperatures: Sequence[float], max_new_tokens: int, data_dir: Path, out_dir: Path,
+        threads: int | None = None) -> dict:
+    unknown = [d for d in datasets if d not in DATASETS]
+    if unknown:
+        raise InputError(f"unknown dataset(s) {unknown}; choose from {', '.join(DATASETS)}")
+    if labels and len(labels) != len(bundles):
+        raise InputError(f"{len(labels)} --label for {len(bundles)} --bundle")
+    from .engine import Engine
+
+    prompts = {name: read_prompts(data_dir, name, n_prompts) for name in datasets}  # bad files fail before loading
+    engines = [Engine.load(b, threads=threads) for b in bundles]
+    labels = list(labels) if labels else [e.manifest.name for e in engines]
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(engines) * len(temperatures) * sum(map(len, prompts.values())), desc="bench",
+                   unit="prompt", dynamic_ncols=True, file=sys.stderr)
+    except ImportError:
+        bar = None
+    results: dict[str, dict[str, dict[str, Cell]]] = {}
+    for label, engine in zip(labels, engines):
+        results[label] = {f"{t:g}": {name: run_cell(engine, prompts[name], t, max_new_tokens, bar)
+                                      for name in datasets} for t in temperatures}
+    if bar is not None:
+        bar.close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "settings": {"bundles": list(bundles), "labels": labels, "datasets": list(datasets), "prompts": n_prompts,
+                     "temperatures": list(temperatures), "max_new_tokens": max_new_tokens,
+                     "scheduler": "fixed (every cycle verifies all γ drafts)", "loop_window": LOOP_WINDOW,
+                     "drafters": {lab: e.manifest.drafter_label for lab, e in zip(labels, engines)}},
+        "results": {lab: {t: {n: {**asdict(c), "tau": c.tau, "tau_without_loops": c.tau_without_loops,
+                                  "loop_share": c.loop_share} for n, c in cells.items()}
+                          for t, cells in by_t.items()} for lab, by_t in results.items()},
+        "table": markdown_table(results, datasets),
+    }
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        plot_acceptance(results, out_dir / "acceptance.png")
+    except ImportError:
+        print("matplotlib is not installed: no acceptance.png (pip install matplotlib)", file=sys.stderr)
+    return {"report": report, "cells": results}
