@@ -19,9 +19,12 @@ from .checkpoint import load_drafter
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
 from .ort_graph import export_target_ort, supports_ort_graph
-from .target_loader import LoadedTarget, load_target
+from .target_loader import LoadedTarget, default_target_path, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
+# The project's trained drafter for the embedded default target (scripts/train_drafter.py), bf16, no embeddings.
+SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+TARGET_FILES = ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data")
 
 
 def sha256(path: Path) -> str:
@@ -35,21 +38,40 @@ def sha256(path: Path) -> str:
 
 
 def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tuple[Drafter, str]:
-    """The drafter at `drafter_path` (embeddings restored from the target if left out), or
-    the untrained default, labelled as such."""
+    """The drafter at `drafter_path` (embeddings restored from the target if left out); without
+    one, the shipped drafter for the embedded default target, or for any other target an
+    untrained drafter, labelled as such."""
     m = target.model
     if drafter_path is None:
-        return init_drafter(m), UNTRAINED
+        if target.source.resolve() != default_target_path().resolve() or not (SHIPPED_DRAFTER / "config.json").exists():
+            return init_drafter(m), UNTRAINED
+        drafter_path = SHIPPED_DRAFTER
     path = Path(drafter_path)
     if not path.exists():
         raise CheckpointError(f"drafter checkpoint {path} does not exist")
     drafter = load_drafter(path, embeddings=(m.embed_tokens.weight, m.lm_head.weight))
     drafter.cfg.check_against(m.cfg)
+    if path == SHIPPED_DRAFTER:
+        return drafter, f"the project's default drafter {path.name} (dspark.export/drafters; scripts/train_drafter.py)"
     return drafter, str(path)
 
 
+def reusable_target(bundle: Path, target: LoadedTarget, drafter: Drafter) -> Manifest:
+    """The manifest of `bundle` if its target graphs can serve `drafter`: same target source
+    (by hash) and the same feature layers; otherwise a clear error."""
+    old = Manifest.load(bundle)
+    if old.source_hashes.get("target") != sha256(target.source):
+        raise CheckpointError(f"--reuse-target {bundle}: its target graphs come from another target model")
+    if tuple(old.drafter.target_layer_ids) != tuple(drafter.cfg.target_layer_ids):
+        raise CheckpointError(f"--reuse-target {bundle}: its target graphs return the features of layers "
+                              f"{list(old.drafter.target_layer_ids)}, the drafter needs {list(drafter.cfg.target_layer_ids)}")
+    return old
+
+
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
-                  name: str | None = None, progress: bool = True) -> Manifest:
+                  name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None) -> Manifest:
+    """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
+    hard-linked (or copied) instead of exported again: a new drafter in seconds."""
     out = Path(out)
     steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
@@ -57,23 +79,34 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     steps.update()
     steps.set_postfix_str("loading drafter")
     drafter, label = resolve_drafter(target, drafter_path)
+    drafter_path = SHIPPED_DRAFTER if label != UNTRAINED and drafter_path is None else drafter_path
+    reused = reusable_target(Path(reuse_target), target, drafter) if reuse_target else None
     steps.update()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         with torch.inference_mode(False), torch.no_grad():
-            steps.set_postfix_str("exporting target graph")
-            ops = {"target": export_target(target.model, drafter.cfg.target_layer_ids, tmp / "target.onnx")}
-            steps.update()
+            if reused is not None:
+                steps.set_postfix_str("linking target graphs")
+                graphs = {k: v for k, v in reused.graphs.items() if k != "drafter"}
+                for f in (f for f in TARGET_FILES if (Path(reuse_target) / f).exists()):
+                    _link(Path(reuse_target) / f, tmp / f)
+                ops = {k: v for k, v in reused.extra["ops"].items() if k != "drafter"}
+                steps.update(2)
+            else:
+                steps.set_postfix_str("exporting target graph")
+                ops = {"target": export_target(target.model, drafter.cfg.target_layer_ids, tmp / "target.onnx")}
+                graphs = {"target": "target.onnx"}
+                steps.update()
+                if supports_ort_graph(target.model.cfg):
+                    steps.set_postfix_str("writing ONNX Runtime target graph")
+                    ops["target_ort"] = export_target_ort(target.model, drafter.cfg.target_layer_ids,
+                                                          tmp / "target_ort.onnx")
+                    graphs["target_ort"] = "target_ort.onnx"
+                steps.update()
             steps.set_postfix_str("exporting drafter graph")
             ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx")
-            steps.update()
-            graphs = {"target": "target.onnx", "drafter": "drafter.onnx"}
-            if supports_ort_graph(target.model.cfg):
-                steps.set_postfix_str("writing ONNX Runtime target graph")
-                ops["target_ort"] = export_target_ort(target.model, drafter.cfg.target_layer_ids,
-                                                      tmp / "target_ort.onnx")
-                graphs["target_ort"] = "target_ort.onnx"
+            graphs["drafter"] = "drafter.onnx"
             steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
@@ -104,6 +137,13 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     finally:
         steps.close()
     return manifest
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        shutil.copy2(src, dst)
 
 
 def _replace(tmp: Path, out: Path) -> None:

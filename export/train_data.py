@@ -411,10 +411,12 @@ class OnTheFlySource:
 
 def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache_dir: str | Path,
                    layer_ids: Sequence[int], max_len: int | None = None, batch: int = 1,
-                   shard_rows: int = 1 << 18, progress: bool = True) -> int:
+                   shard_rows: int = 1 << 18, progress: bool = True, compute: str = "fp32") -> int:
     """Run the target once per record not yet cached and store fp16 features and final-normed
     last hidden states in `cache_dir/feats-NNNNN.safetensors` + `index.jsonl`. Resumable: an
-    index entry is written only after its shard is complete. Returns the records added."""
+    index entry is written only after its shard is complete. Returns the records added.
+    `compute` "bf16" runs the target's matmuls under bf16 autocast (residual stream in fp32;
+    ~3x faster on an AVX512-bf16 CPU); it is recorded, and a cache never mixes the two."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -422,11 +424,12 @@ def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": list(layer_ids), "target": target_fingerprint(target, layer_ids), "dtype": "float16",
-            "final_hidden": "after the target's final norm (lm_head of it = target logits)", "max_len": max_len}
+            "final_hidden": "after the target's final norm (lm_head of it = target logits)", "max_len": max_len,
+            "compute": compute}
     meta_path = cache / "cache_meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        diff = [k for k in ("layer_ids", "target", "max_len") if old.get(k) != meta[k]]
+        diff = [k for k in ("layer_ids", "target", "max_len", "compute") if old.get(k, "fp32") != meta[k]]
         if diff:
             raise ConfigError(f"{cache}: the cache was built with different {diff} "
                               f"({ {k: old.get(k) for k in diff} } vs { {k: meta[k] for k in diff} }); "
@@ -458,7 +461,9 @@ def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache
         toks = [record_tokens(r, max_len) for r in group]
         T = max(len(t) for t, _ in toks)
         padded = torch.stack([torch.cat([t, t.new_zeros(T - len(t))]) for t, _ in toks])  # [B, T] right padding
-        feats, hidden = target_states(target, padded, layer_ids)
+        with torch.autocast(padded.device.type, dtype=torch.bfloat16, enabled=compute == "bf16"):
+            feats, hidden = target_states(target, padded, layer_ids)
+        feats, hidden = feats.float(), hidden.float()
         for r, (t, m), f_, h_ in zip(group, toks, feats, hidden):
             n = len(t)
             f16, h16 = _to_fp16(f_[:n], r["key"]), _to_fp16(h_[:n], r["key"])

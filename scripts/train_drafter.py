@@ -211,7 +211,8 @@ def cmd_cache(args) -> int:
     target = load_target(args.target).model.to(device)
     out = Path(args.out) if args.out else Path(args.data) / ("features-" + "_".join(map(str, args.layer_ids)))
     with torch.inference_mode():
-        n = cache_features(target, records, out, args.layer_ids, max_len=args.max_len, batch=args.batch)
+        n = cache_features(target, records, out, args.layer_ids, max_len=args.max_len, batch=args.batch,
+                           compute=args.dtype)
     print(f"cached {n} sequences in {out}", file=sys.stderr)
     return 0
 
@@ -352,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default=None, help="cache directory (default DATA/features-<layer ids>)")
     q.add_argument("--max-len", type=int, default=2048, help="tokens kept per sequence (default 2048)")
     q.add_argument("--batch", type=int, default=4, help="sequences per target forward (default 4)")
+    q.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="bf16 = the target's matmuls under "
+                   "bf16 autocast, residual stream fp32 (~3x faster on an AVX512-bf16 CPU); default fp32")
     q.set_defaults(fn=cmd_cache)
 
     def session(q):

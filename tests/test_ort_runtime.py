@@ -251,3 +251,34 @@ def test_bundle_files_are_complete_and_readable(tiny_bundle, manifest):
     for name, p in files.items():
         assert p.stat().st_mode & 0o444 == 0o444, f"{name} has mode {oct(p.stat().st_mode & 0o777)}"
     assert [p.name for p in tiny_bundle.path.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_reuse_target_links_the_target_graphs(tiny_bundle, tmp_path):
+    """A second drafter for the same target: the target graphs are hard links of the first
+    bundle's, the new drafter graph is its own, and the bundle serves losslessly. A drafter that
+    needs other feature layers, or another target, is refused before anything is written."""
+    from factories import tiny_drafter
+
+    from dspark.export import save_drafter
+    from dspark.export.bundle import export_bundle
+    from dspark.runtime.errors import CheckpointError
+
+    t, layers = tiny_bundle.target, tiny_bundle.drafter.cfg.target_layer_ids
+    save_drafter(tiny_drafter(t, seed=7, block_size=3, layer_ids=layers), tmp_path / "d2")
+    out = tmp_path / "b2"
+    m = export_bundle(out, tiny_bundle.target_dir, tmp_path / "d2", progress=False, reuse_target=tiny_bundle.path)
+    for f in ("target.onnx", "target_ort.onnx"):
+        assert (out / f).stat().st_ino == (tiny_bundle.path / f).stat().st_ino
+    assert m.drafter.block_size == 3 and m.graphs == Manifest.load(tiny_bundle.path).graphs
+    e = Engine.load(out, max_seq=128, threads=1)
+    prompt = "hello"
+    spec = e.generate(prompt, max_new_tokens=12, scheduler="fixed")
+    alone = e.generate(prompt, max_new_tokens=12, scheduler="none")
+    assert spec.token_ids == alone.token_ids
+
+    other = [i for i in range(t.cfg.num_layers - 1) if i not in layers][:1] + list(layers[1:])
+    save_drafter(tiny_drafter(t, seed=7, layer_ids=other), tmp_path / "d3")
+    with pytest.raises(CheckpointError, match="features of layers"):
+        export_bundle(tmp_path / "b3", tiny_bundle.target_dir, tmp_path / "d3", progress=False,
+                      reuse_target=tiny_bundle.path)
+    assert not (tmp_path / "b3").exists()

@@ -354,6 +354,13 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
         torch.testing.assert_close(t.lm_head(a.final_hidden.float()), t.lm_head(b.final_hidden), atol=2e-2, rtol=0)
     with pytest.raises(ConfigError, match="layer_ids"):
         cache_features(t, recs, tmp_path / "cache", (0, 1), progress=False)
+    with pytest.raises(ConfigError, match="compute"):  # an fp32 cache is never extended with bf16 rows
+        cache_features(t, recs, tmp_path / "cache", LAYER_IDS, progress=False, compute="bf16")
+    bf16 = tmp_path / "cache-bf16"
+    assert cache_features(t, recs, bf16, LAYER_IDS, batch=2, progress=False, compute="bf16") == len(recs)
+    for i in range(len(cache)):  # bf16 matmuls, fp32 residual stream: close to the fp32 states
+        torch.testing.assert_close(FeatureCache(bf16)[i].features.float(), cache[i].features.float(),
+                                   atol=5e-2, rtol=5e-2)
     cfg = _cfg(batch=2, steps=2, mask_token_id=3)
     Trainer.start(t, cache, cfg, tmp_path / "run", progress=False).train()
 
