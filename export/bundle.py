@@ -18,7 +18,7 @@ from dspark.runtime.manifest import Manifest
 from .checkpoint import load_drafter
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
-from .ort_graph import export_target_ort, supports_ort_graph
+from .ort_graph import export_drafter_ort, export_target_ort, supports_ort_graph
 from .target_loader import LoadedTarget, default_target_path, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
@@ -88,10 +88,10 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
         with torch.inference_mode(False), torch.no_grad():
             if reused is not None:
                 steps.set_postfix_str("linking target graphs")
-                graphs = {k: v for k, v in reused.graphs.items() if k != "drafter"}
+                graphs = {k: v for k, v in reused.graphs.items() if k.startswith("target")}
                 for f in (f for f in TARGET_FILES if (Path(reuse_target) / f).exists()):
                     _link(Path(reuse_target) / f, tmp / f)
-                ops = {k: v for k, v in reused.extra["ops"].items() if k != "drafter"}
+                ops = {k: v for k, v in reused.extra["ops"].items() if k.startswith("target")}
                 steps.update(2)
             else:
                 steps.set_postfix_str("exporting target graph")
@@ -107,6 +107,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             steps.set_postfix_str("exporting drafter graph")
             ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx")
             graphs["drafter"] = "drafter.onnx"
+            ops["drafter_ort"] = export_drafter_ort(tmp / "drafter.onnx", tmp / "drafter_ort.onnx")
+            graphs["drafter_ort"] = "drafter_ort.onnx"
             steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))

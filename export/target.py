@@ -32,10 +32,11 @@ class StaticKV:
         return self.k.shape[3]
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, S, D] go to rows `positions` [B, S] of `layer`."""
+        """k, v [B, Hkv, S, D] go to rows `positions` [B, S] of `layer` (cast to the cache's
+        dtype: under bf16 autocast the projections come out in bf16)."""
         for b in range(k.shape[0]):
-            self.k[layer, b].index_copy_(1, positions[b], k[b])
-            self.v[layer, b].index_copy_(1, positions[b], v[b])
+            self.k[layer, b].index_copy_(1, positions[b], k[b].to(self.k.dtype))
+            self.v[layer, b].index_copy_(1, positions[b], v[b].to(self.v.dtype))
 
 
 class TargetLayer(nn.Module):

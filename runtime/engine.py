@@ -48,7 +48,8 @@ class Engine:
 
     @classmethod
     def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
-             provider: str = "cpu", threads: int | None = None, target_graph: str = "auto") -> "Engine":
+             provider: str = "cpu", threads: int | None = None, target_graph: str = "auto",
+             drafter_graph: str = "auto") -> "Engine":
         """Validate the bundle's manifest, open its graphs and preallocate KV for `max_seq`
         positions (default: 2048 or the model's limit, whichever is smaller)."""
         bundle = Path(bundle)
@@ -63,7 +64,8 @@ class Engine:
         if tokenizer.vocab_size > manifest.target.vocab_size:
             raise InputError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{manifest.target.vocab_size}")
-        backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph)
+        backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph,
+                              drafter_graph=drafter_graph)
         return cls(bundle, manifest, backend_, tokenizer)
 
     def encode(self, prompt: str | Sequence[dict[str, str]], chat: bool = True) -> list[int]:

@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring: drafter profile, weight-read floors (after) …", file=sys.stderr, flush=True)
     prof = None
     if captured:
-        prof = profile_drafter(bundle, m.graphs["drafter"], args.threads, captured, drafter_past,
+        prof = profile_drafter(bundle, engine.backend._drafter.path.name, args.threads, captured, drafter_past,
                                args.profile_passes)
     floors["ort"].append(gemv_floor(wb["initializer_bytes"], m.target.hidden_size, args.floor_matmuls,
                                     args.threads, args.floor_reps))

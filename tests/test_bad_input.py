@@ -117,6 +117,7 @@ for _file in GRAPH_OF:
     BUNDLE_CASES[f"truncated_{_stem}_data_sizes_rewritten"] = (_truncate(_file + ".data", keep_sizes=True),
                                                                BundleError, "cannot load")
     BUNDLE_CASES[f"corrupt_{_stem}_same_size"] = (_garbage(_file), BundleError, "cannot load")
+BUNDLE_CASES["corrupt_drafter_ort_same_size"] = (_garbage("drafter_ort.onnx"), BundleError, "cannot load")
 
 
 @pytest.fixture

@@ -54,7 +54,8 @@ def chat_ids(tokenizer, messages) -> list[int]:
 def test_manifest_is_valid_and_labelled(default_bundle, manifest):
     m = manifest
     assert m.bundle_format == BUNDLE_FORMAT and m.dtype == "float32"
-    assert m.graphs == {"target": "target.onnx", "target_ort": "target_ort.onnx", "drafter": "drafter.onnx"}
+    assert m.graphs == {"target": "target.onnx", "target_ort": "target_ort.onnx", "drafter": "drafter.onnx",
+                        "drafter_ort": "drafter_ort.onnx"}
     assert m.tokenizer == "tokenizer.json"
     for name in ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data", "drafter.onnx",
                  "drafter.onnx.data", "tokenizer.json"):
@@ -107,15 +108,16 @@ def test_target_graph_matches_torch(default_bundle, manifest, smollm2, graph):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperature):
-    """The bundle's drafter (the untrained default is `init_drafter(target)`, deterministic)
-    against the torch reference on real SmolLM2 features: two rounds, same uniforms;
-    draft probabilities and confidence logits within 2e-3, identical draft tokens."""
-    if not manifest.drafter_label.startswith("untrained"):
-        pytest.skip("the bundle ships a trained drafter; this test rebuilds the untrained default")
-    from dspark.export.drafter import init_drafter
+    """The bundle's fp32 drafter graph against the torch reference of the same drafter (the
+    shipped checkpoint, or the deterministic untrained default) on real SmolLM2 features:
+    two rounds, same uniforms; draft probabilities and confidence logits within 2e-3,
+    identical draft tokens."""
+    from dspark.export.bundle import resolve_drafter
 
-    ort_be = OrtBackend(default_bundle.path, manifest, 256)
-    ref = TorchBackend(smollm2.model, init_drafter(smollm2.model), 256)
+    drafter, label = resolve_drafter(smollm2, None)
+    assert label == manifest.drafter_label, "the bundle was exported with another drafter than the default"
+    ort_be = OrtBackend(default_bundle.path, manifest, 256, drafter_graph="fp32")
+    ref = TorchBackend(smollm2.model, drafter, 256)
     ids = np.asarray(chat_ids(smollm2.tokenizer, [{"role": "user", "content": PROMPTS[2]}]), np.int64)
     n, gamma = len(ids), manifest.drafter.block_size
     logits, feats = ref.target(ids, 0, 1)

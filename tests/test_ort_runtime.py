@@ -34,7 +34,9 @@ def manifest(tiny_bundle):
 
 @pytest.fixture(scope="module")
 def engine(tiny_bundle):
-    return Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
+    """The exported fp32 drafter: the torch reference must match it to TOL (the int8 drafter
+    has its own test below)."""
+    return Engine.load(tiny_bundle.path, max_seq=MAX_SEQ, drafter_graph="fp32")
 
 
 def close(a, b, what, tol=TOL):
@@ -54,7 +56,7 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
     gamma = manifest.drafter.block_size
     ids = np.asarray(engine.encode(PROMPT), np.int64)
     n = len(ids)
-    ort_be = OrtBackend(tiny_bundle.path, manifest, 128, target_graph=graph)
+    ort_be = OrtBackend(tiny_bundle.path, manifest, 128, target_graph=graph, drafter_graph="fp32")
     assert ort_be.in_place == (graph == "ort")
     ref_be = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, 128)
     assert ort_be.block_size == ref_be.block_size == gamma
@@ -91,6 +93,23 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
         assert (lo.argmax(-1) == lr.argmax(-1)).all()
         ctx_o, ctx_r, ctx_start = fo[:a + 1], fr[:a + 1], start
         start, anchor = start + a + 1, int(np.argmax(lr[a]))
+
+
+def test_int8_drafter_graph(tiny_bundle, manifest, engine):
+    """The int8 drafter (the CPU default) proposes from nearly the fp32 distribution, and the
+    output stays the target's: greedy identical to the target alone, sampled identical in
+    distribution (here: same tokens as the fp32 drafter wherever both accept, not required)."""
+    e8 = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
+    assert "drafter_ort" in manifest.graphs and e8.backend._drafter.path.name == "drafter_ort.onnx"
+    ids = np.asarray(engine.encode(PROMPT), np.int64)
+    _, feats = engine.backend.target(ids, 0, len(ids))
+    u = np.random.default_rng(0).random(manifest.drafter.block_size)
+    d32 = engine.backend.draft(feats, 0, 5, len(ids), 1.0, u)
+    d8 = e8.backend.draft(feats, 0, 5, len(ids), 1.0, u)
+    assert float(np.abs(d8.probs - d32.probs).sum(-1).max()) < 0.1  # total variation < 0.05 per slot
+    for prompt in PROMPTS:
+        alone = engine.generate(prompt, max_new_tokens=40, scheduler="none")
+        assert e8.generate(prompt, max_new_tokens=40, scheduler="fixed").token_ids == alone.token_ids
 
 
 # --- loop level -----------------------------------------------------------------------------------
