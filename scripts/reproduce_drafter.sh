@@ -13,11 +13,11 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-out/drafter/data}
 RUN=${RUN:-out/drafter/run-dspark}
 RUN_DFLASH=${RUN_DFLASH:-out/drafter/run-dflash}
-STEPS=${STEPS:-450}                 # optimisation steps of both runs (the cosine schedule's length)
-TRAIN_MINUTES=${TRAIN_MINUTES:-75}  # a session's budget; `resume` continues a run later
+STEPS=${STEPS:-340}                 # optimisation steps of both runs (the cosine schedule's length)
+TRAIN_MINUTES=${TRAIN_MINUTES:-64}  # a session's budget; `resume` continues a run later
 LAYERS="1 8 15 22 28"
-COMMON=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --steps "$STEPS" --warmup 30
-        --lr 1e-3 --amp bf16 --threads 1 --save-every 50 --time-budget "${TRAIN_MINUTES}m")
+COMMON=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --steps "$STEPS" --warmup 25
+        --lr 1e-3 --amp bf16 --threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m")
 
 # 1. responses: 250 GSM8K-train questions + 175 alpaca tasks + 150 self-written chat/code requests,
 #    at T = 0 and T = 1, by the target itself (bf16, batch 32, at most 256 new tokens)
@@ -29,7 +29,7 @@ python scripts/train_drafter.py cache --data "$DATA" --layer-ids $LAYERS --dtype
 train() {  # run-dir, extra flags...
     local run=$1; shift
     if [ -e "$run/checkpoints" ]; then
-        python scripts/train_drafter.py resume --run "$run" --threads 1 --save-every 50 --time-budget "${TRAIN_MINUTES}m"
+        python scripts/train_drafter.py resume --run "$run" --threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m"
     else
         python scripts/train_drafter.py train --run "$run" "${COMMON[@]}" "$@"
     fi
