@@ -28,6 +28,7 @@ accepts would be exercised.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ import dspark.runtime.sampling as sampling
 from dspark.export import DraftSession, TorchBackend
 from dspark.runtime import FixedLength, SamplingParams, StaticThreshold, generate
 from dspark.runtime.sampling import accept_probability, residual, sample_from, softmax
+from dspark.runtime.scheduler import History
 
 V, GAMMA, K = 5, 2, 3
 MAX_NEW = GAMMA + 2  # the first cycle may verify all γ slots
@@ -148,7 +150,7 @@ def target_joint(tables: Tables) -> np.ndarray:
 
 def scheduled_length(scheduler, table: dict, drafts: tuple, out_len: int, max_new: int) -> int:
     conf = np.array([table[drafts[:k]][1] for k in range(GAMMA)], dtype=np.float32)
-    return min(scheduler.length(conf), max_new - out_len - 1)  # as generate() caps it
+    return min(int(scheduler.lengths(conf[None], History(deque()))[0]), max_new - out_len - 1)  # as generate() caps it
 
 
 def speculative_joint(tables: Tables, rule, scheduler, max_new: int = MAX_NEW) -> tuple[np.ndarray, np.ndarray]:
