@@ -38,6 +38,7 @@ class SamplingParams:
 @dataclass
 class Stats:
     cycles: int = 0
+    drafted: int = 0  # cycles in which the drafter ran
     emitted: list[int] = field(default_factory=list)  # τ per cycle (accepted + emitted token)
     verified: list[int] = field(default_factory=list)  # ℓ per cycle
     attempts: np.ndarray | None = None  # [γ] cycles in which slot k was verified with 1..k-1 accepted
@@ -61,6 +62,7 @@ class Stats:
         return {
             "tau": self.tau,
             "cycles": self.cycles,
+            "drafted_cycles": self.drafted,
             "mean_verified": float(np.mean(self.verified)) if self.verified else 0.0,
             "mean_batch": float(np.mean(self.batch)) if self.batch else 0.0,
             "per_position_acceptance": self.per_position_acceptance,
@@ -225,6 +227,7 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
                             u[s, gamma:2 * gamma], u[s, 2 * gamma])
         a.stats.attempts[:min(acc + 1, ell)] += 1
         a.stats.accepts[:acc] += 1
+        a.stats.drafted += 1
         _record(a, ell, acc, R, draft=t1 - t0, verify=t2 - t1)
         a.commit([int(t) for t in proposed[:acc]] + [token])
         a.ctx, a.start, a.anchor = feats[s, :acc + 1], a.start + acc + 1, token

@@ -38,7 +38,9 @@ from scipy import stats
 
 import dspark.runtime.sampling as sampling
 from dspark.export import DraftSession, TorchBackend
-from dspark.runtime import FixedLength, SamplingParams, StaticThreshold, generate
+from dspark.runtime import (Calibration, FixedLength, Request, SamplingParams, SpsTable, StaticThreshold, generate,
+                            generate_batch)
+from dspark.runtime.schedulers import make_scheduler
 from dspark.runtime.sampling import accept_probability, residual, sample_from, softmax
 from dspark.runtime.scheduler import History
 
@@ -359,3 +361,32 @@ def test_chi_square_rejects_a_broken_rule(models, tables, broken, monkeypatch):
     counts, _ = sample_histogram(models, SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue < ALPHA, f"{broken}: chi-square p = {pvalue:.2e}, the broken rule went unnoticed"
+
+
+# ----- four requests at once under the default scheduler -------------------------------------
+
+R4 = 4
+N_R4 = 400  # more than the single-request tests need against the broken rules
+# Padded verification of 4 rows: B = 4·(1 + max ℓ) ∈ {4, 8, 12}; this curve makes Algorithm 1
+# choose every length from 0 to γ (checked below).
+R4_TABLE = SpsTable((1, 1, 1, 1, .95, .93, .9, .88, .87, .87, .87, .87))
+
+
+def test_four_requests_at_once_match_the_target_distribution(models, tables):
+    """Each request's first K tokens, with 4 requests sharing every drafter and verification pass
+    under the default scheduler (`auto`: Algorithm 1 when the bundle has an SPS table and a
+    calibration), follow the target's distribution."""
+    scheduler = make_scheduler("auto", sps=R4_TABLE, calibration=Calibration.identity(GAMMA))
+    assert scheduler.name == "prefix"
+    backend = TorchBackend(*models, max_seq=32, slots=R4)
+    requests = [Request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=s)) for s in range(N_R4)]
+    gens = generate_batch(backend, requests, scheduler)
+    counts = np.zeros((V,) * K)
+    for g in gens:
+        counts[tuple(g.token_ids[:K])] += 1
+    lengths = [ell for g in gens for ell in g.stats.verified]
+    assert {ell: lengths.count(ell) > 50 for ell in range(GAMMA + 1)} == dict.fromkeys(range(GAMMA + 1), True), (
+        f"verified lengths should vary: {np.bincount(lengths)}")
+    assert max(b for g in gens for b in g.stats.batch) == R4
+    pvalue = chi_square_pvalue(target_joint(tables), counts)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"
