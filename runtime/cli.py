@@ -4,6 +4,8 @@
     dspark generate --bundle engines/smollm2 --prompt "What is 17 * 23?"
     dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
     dspark chat --bundle engines/smollm2
+    dspark profile --bundle engines/smollm2                   # SPS table for the prefix scheduler
+    dspark calibrate --bundle engines/smollm2                 # confidence calibration (STS)
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import sys
 
 from .errors import DSparkError
+from .schedulers import NAMES
 
 EPILOG = """examples:
   dspark export --out engines/smollm2
@@ -19,6 +22,8 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --temperature 0.7 --seed 1 --json
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
+  dspark profile --bundle engines/smollm2 --max-slots 32
+  dspark calibrate --bundle engines/smollm2 --prompts 200
 """
 
 
@@ -35,9 +40,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
-    p.add_argument("--scheduler", default="fixed", choices=["fixed", "threshold", "none"],
-                   help="verification length: fixed = all γ drafts (default), threshold = up to the first "
-                        "confidence below --threshold, none = the target alone")
+    p.add_argument("--scheduler", default="auto", choices=list(NAMES),
+                   help="verification length: auto (default) = prefix when the bundle has an SPS table and a "
+                        "calibration, else fixed with a warning; fixed = all γ drafts; threshold = up to the first "
+                        "raw confidence below --threshold; prefix = Algorithm 1 (dspark.md §5); async = its "
+                        "asynchronous variant; cost = prefix + drafter cost + skipping the drafter when it does "
+                        "not pay; none = the target alone")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone on the same engine")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -71,7 +79,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
                        "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
     _add_engine_args(p)
+
+    p = sub.add_parser("profile", help="measure SPS(B) and the drafter's cost; store sps.json in the bundle",
+                       description="Measure the target's verification steps per second at B batch tokens (R rows "
+                       "of 1..γ+1 tokens) and the drafter's cost per pass, store them as DIR/sps.json (what the "
+                       "prefix scheduler reads) and draw DIR/sps.png with the per-cycle phase breakdown.")
+    _add_device_args(p)
+    p.add_argument("--max-slots", type=int, default=16, help="largest number of concurrent requests measured")
+    p.add_argument("--context", type=int, default=256, help="committed positions each row attends to (default 256)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per shape; the median counts (default 5)")
+    p.add_argument("--png", default=None, help="plot path (default DIR/sps.png)")
+
+    p = sub.add_parser("calibrate", help="fit the confidence calibration (STS); store calibration.json in the bundle",
+                       description="Decode training prompts (../shared/data/train; never bench) verifying all "
+                       "drafts, fit Sequential Temperature Scaling on one half of the prompts and report ECE and "
+                       "AUC per position on the other half, before and after, with 95%% bootstrap intervals. "
+                       "Writes DIR/calibration.json and a reliability diagram DIR/calibration.png.")
+    _add_device_args(p)
+    p.add_argument("--prompts", type=int, default=200, help="prompts decoded, both halves (default 200)")
+    p.add_argument("--holdout", type=float, default=0.5, help="held-out share of the prompts (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature while logging (default 1)")
+    p.add_argument("--slots", type=int, default=4, help="requests decoded at once (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling, split and decoding seed (default 0)")
+    p.add_argument("--data", action="append", default=None, help="training prompt file (repeatable; default: "
+                   "../shared/data/train/{gsm8k-train,alpaca-seed-tasks}.jsonl)")
+    p.add_argument("--png", default=None, help="reliability diagram path (default DIR/calibration.png)")
     return parser
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
+    p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
+                   help="target graph, as for generate")
 
 
 def _load(args):
@@ -151,7 +193,29 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": r.text})
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}
+def _device_kwargs(args) -> dict:
+    return dict(provider=args.provider, threads=args.threads, target_graph=args.target_graph)
+
+
+def cmd_profile(args) -> int:
+    from .profile import ProfileConfig, format_report, profile
+
+    summary = profile(args.bundle, ProfileConfig(args.max_slots, args.context, args.repeats), args.png,
+                      **_device_kwargs(args))
+    print(format_report(summary))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrateConfig, calibrate, format_report
+
+    cfg = CalibrateConfig(args.prompts, args.holdout, args.max_new_tokens, args.temperature, args.slots, args.seed)
+    print(format_report(calibrate(args.bundle, cfg, args.data, args.png, **_device_kwargs(args))))
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "profile": cmd_profile,
+            "calibrate": cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

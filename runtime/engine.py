@@ -43,13 +43,15 @@ class Engine:
     @classmethod
     def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
              provider: str = "cpu", threads: int | None = None, target_graph: str = "auto",
-             slots: int = 1) -> "Engine":
-        """Validate the bundle's manifest (and its SPS table and calibration, when present), open
-        its graphs and preallocate KV for `slots` concurrent requests of `max_seq` positions
-        (default: 2048 or the model's limit, whichever is smaller)."""
+             slots: int = 1, read_tables: bool = True) -> "Engine":
+        """Validate the bundle's manifest (and, with `read_tables`, its SPS table and calibration
+        when present), open its graphs and preallocate KV for `slots` concurrent requests of
+        `max_seq` positions (default: 2048 or the model's limit, whichever is smaller)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
-        sps, calibration = SpsTable.load(bundle), Calibration.load(bundle, manifest.drafter.block_size)
+        sps, calibration = None, None
+        if read_tables:  # `dspark profile` and `dspark calibrate` rewrite them, corrupt or not
+            sps, calibration = SpsTable.load(bundle), Calibration.load(bundle, manifest.drafter.block_size)
         if backend != "onnxruntime":
             raise InputError(f"unknown backend {backend!r}; this runtime has: onnxruntime")
         limit = manifest.target.max_position_embeddings

@@ -44,6 +44,7 @@ class Stats:
     attempts: np.ndarray | None = None  # [γ] cycles in which slot k was verified with 1..k-1 accepted
     accepts: np.ndarray | None = None  # [γ] of those, cycles in which slot k was accepted
     batch: list[int] = field(default_factory=list)  # requests in the batch, per cycle
+    confidences: list[np.ndarray] = field(default_factory=list)  # raw confidence logits [γ] per drafted cycle
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                              "decode": 0.0, "total": 0.0})
 
@@ -179,10 +180,10 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     act = [slots[s] for s in rows]
     starts = np.zeros(B, np.int64)  # [B] free slots below the last busy one are dummy rows at position 0
     starts[rows] = [a.start for a in act]
-    t0 = time.perf_counter()
     if scheduler is None:
         tokens = np.zeros((B, 1), np.int64)  # [B, 1]
         tokens[rows, 0] = [a.anchor for a in act]
+        t0 = time.perf_counter()
         logits, feats = backend.target(tokens, starts)  # [B, 1, V], [B, 1, F]
         t1 = time.perf_counter()
         for s, a in zip(rows, act):
@@ -206,6 +207,7 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     anchors[rows] = [a.anchor for a in act]
     temps = np.zeros(B, np.float32)
     temps[rows] = [a.request.params.temperature for a in act]
+    t0 = time.perf_counter()  # the phases time the engine calls; the rest of the cycle is the loop's
     draft = backend.draft(features, counts, starts - counts, anchors, temps, u[:, :gamma])
     t1 = time.perf_counter()
 
@@ -218,17 +220,19 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     tokens = np.zeros((B, S), np.int64)  # [B, S] anchor, ℓ_r drafts, then padding
     tokens[rows, 0] = anchors[rows]
     tokens[rows, 1:] = draft.tokens[rows, :S - 1]  # drafts past ℓ_r are padding: never accepted, never committed
-    logits, feats = backend.target(tokens, starts)  # [B, S, V], [B, S, F]
     t2 = time.perf_counter()
-    for s, a, ell in zip(rows, act, ells):
-        ell = int(ell)
+    logits, feats = backend.target(tokens, starts)  # [B, S, V], [B, S, F]
+    t3 = time.perf_counter()
+    for i, (s, a) in enumerate(zip(rows, act)):
+        ell = int(ells[i])
         proposed = draft.tokens[s, :ell]
         acc, token = verify(proposed, draft.probs[s, :ell], logits[s, :ell + 1], a.request.params.temperature,
                             u[s, gamma:2 * gamma], u[s, 2 * gamma])
         a.stats.attempts[:min(acc + 1, ell)] += 1
         a.stats.accepts[:acc] += 1
         a.stats.drafted += 1
-        _record(a, ell, acc, R, draft=t1 - t0, verify=t2 - t1)
+        a.stats.confidences.append(conf[i])
+        _record(a, ell, acc, R, draft=t1 - t0, verify=t3 - t2)
         a.commit([int(t) for t in proposed[:acc]] + [token])
         a.ctx, a.start, a.anchor = feats[s, :acc + 1], a.start + acc + 1, token
 
