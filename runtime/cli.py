@@ -28,13 +28,8 @@ EPILOG = """examples:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    _add_device_args(p)
     p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
-    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
-    p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
-                   help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
-                        "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
     p.add_argument("--max-seq", type=int, default=None,
                    help="positions preallocated in the KV buffers (default: 2048 or the model's limit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
@@ -113,7 +108,8 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
     p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
-                   help="target graph, as for generate")
+                   help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
+                        "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
 
 
 def _load(args):
