@@ -60,6 +60,18 @@ def test_greedy_batch_identical_to_solo(tiny_bundle, engines, scheduler):
         assert 0 < drafted < cycles, f"the drafter gate should skip some steps ({drafted} of {cycles} drafted)"
 
 
+def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
+    """The standard-op target graph (what TensorRT reads) serves batched verification by itself."""
+    solo_engine, _ = engines
+    portable = Engine.load(profiled, max_seq=MAX_SEQ, slots=SLOTS, target_graph="portable")
+    assert not portable.backend.in_place
+    for prompt, got in zip(PROMPTS, portable.generate_batch(PROMPTS, max_new_tokens=30, scheduler="prefix")):
+        alone = solo_engine.generate(prompt, max_new_tokens=30, scheduler="prefix")
+        ids = solo_engine.encode(prompt)
+        m = greedy_match(alone.token_ids, got.token_ids, reference_logits(tiny_bundle.target, ids, alone.token_ids))
+        assert m.ok, f"{prompt!r}: {m}"
+
+
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
 def test_sampled_batch_follows_each_requests_rng(engines, scheduler):
     """Schedulers that decide per request give the very tokens of a solo run with the same seed."""
