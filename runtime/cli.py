@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .errors import DSparkError
 from .schedulers import NAMES
@@ -217,7 +218,9 @@ COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "p
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():  # one plain line each, e.g. the scheduler's fallback
+            warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
+            return COMMANDS[args.command](args)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

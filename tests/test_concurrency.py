@@ -105,6 +105,12 @@ def test_auto_scheduler(tiny_bundle, engines):
         bare.generate(PROMPTS[0], max_new_tokens=20, scheduler="prefix")
 
 
+def test_cli_prints_the_fallback_warning(tiny_bundle, capsys):
+    assert main(["generate", "--bundle", str(tiny_bundle.path), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: bundle" in err and "falls back to `fixed`" in err and "DSpark (auto)" in err
+
+
 def _broken(profiled, tmp_path, name: str, content: str):
     path = tmp_path / "bundle"
     shutil.copytree(profiled, path)
