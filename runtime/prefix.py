@@ -81,7 +81,7 @@ class PrefixScheduler:
     early_stop: bool = True
     skip_drafting: bool = False
     probe_every: int = 8
-    name = "prefix"
+    name: str = "prefix"
 
     def should_draft(self, history: History, rows: int) -> bool:
         if not self.skip_drafting or not history.confidences or history.undrafted >= self.probe_every:

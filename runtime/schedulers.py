@@ -49,4 +49,4 @@ def make_scheduler(name: str, threshold: float = 0.5, sps: SpsTable | None = Non
         return PrefixScheduler(calibration, CostModel(sps))
     if name == "async":
         return AsyncPrefixScheduler(calibration, CostModel(sps))
-    return PrefixScheduler(calibration, CostModel(sps, drafter=True), skip_drafting=True)
+    return PrefixScheduler(calibration, CostModel(sps, drafter=True), skip_drafting=True, name="cost")

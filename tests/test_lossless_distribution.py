@@ -370,14 +370,18 @@ N_R4 = 400  # more than the single-request tests need against the broken rules
 # Padded verification of 4 rows: B = 4·(1 + max ℓ) ∈ {4, 8, 12}; this curve makes Algorithm 1
 # choose every length from 0 to γ (checked below).
 R4_TABLE = SpsTable((1, 1, 1, 1, .95, .93, .9, .88, .87, .87, .87, .87))
+# For `cost`: a drafter pass as dear as 0.8 one-token steps, so the gate skips about 2 steps in 3.
+R4_TABLES = {"auto": R4_TABLE, "async": R4_TABLE, "cost": SpsTable(R4_TABLE.sps, (0.8,) * R4)}
 
 
-def test_four_requests_at_once_match_the_target_distribution(models, tables):
+@pytest.mark.parametrize("name", list(R4_TABLES))
+def test_four_requests_at_once_match_the_target_distribution(models, tables, name):
     """Each request's first K tokens, with 4 requests sharing every drafter and verification pass
     under the default scheduler (`auto`: Algorithm 1 when the bundle has an SPS table and a
-    calibration), follow the target's distribution."""
-    scheduler = make_scheduler("auto", sps=R4_TABLE, calibration=Calibration.identity(GAMMA))
-    assert scheduler.name == "prefix"
+    calibration), its asynchronous variant and the cost-aware one (which also skips the drafter
+    for whole steps), follow the target's distribution."""
+    scheduler = make_scheduler(name, sps=R4_TABLES[name], calibration=Calibration.identity(GAMMA))
+    assert scheduler.name == {"auto": "prefix"}.get(name, name)
     backend = TorchBackend(*models, max_seq=32, slots=R4)
     requests = [Request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=s)) for s in range(N_R4)]
     gens = generate_batch(backend, requests, scheduler)
@@ -388,5 +392,8 @@ def test_four_requests_at_once_match_the_target_distribution(models, tables):
     assert {ell: lengths.count(ell) > 50 for ell in range(GAMMA + 1)} == dict.fromkeys(range(GAMMA + 1), True), (
         f"verified lengths should vary: {np.bincount(lengths)}")
     assert max(b for g in gens for b in g.stats.batch) == R4
+    if name == "cost":
+        drafted, cycles = sum(g.stats.drafted for g in gens), sum(g.stats.cycles for g in gens)
+        assert 0.1 * cycles < drafted < 0.9 * cycles, f"{drafted} of {cycles} steps drafted"
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"
