@@ -90,9 +90,20 @@ def profile(bundle: str | Path, cfg: ProfileConfig, png: str | Path | None = Non
         raise InputError(f"{fix}, but only {avail / 2**30:.2f} GiB of memory is available: lower --max-slots "
                          f"or --context")
     try:
-        engine = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False, **engine_kwargs)
+        return _measure(bundle, manifest, cfg, max_seq, png, engine_kwargs)
     except MemoryError as e:
         raise InputError(f"{fix} and ran out of memory: lower --max-slots or --context") from e
+    except RuntimeError as e:  # ONNX Runtime reports a failed allocation (e.g. on a GPU) as a RuntimeError
+        if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+            raise
+        raise InputError(f"{fix} and the engine could not allocate it ({e}): lower --max-slots or --context") from e
+
+
+def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int, png: str | Path | None,
+             engine_kwargs: dict) -> dict:
+    gamma = manifest.drafter.block_size
+    s_max = gamma + 1
+    engine = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False, **engine_kwargs)
     be, rng = engine.backend, np.random.default_rng(0)
     V = manifest.target.vocab_size
     for slot in range(cfg.max_slots):  # every row attends to `context` committed positions
