@@ -16,6 +16,7 @@ from .errors import InputError
 from .generate import Request, SamplingParams, Stats, generate_batch
 from .manifest import Manifest
 from .ort_backend import OrtBackend
+from .scheduler import Scheduler
 from .schedulers import make_scheduler
 from .throughput import SpsTable
 from .tokenizer import ChatTokenizer
@@ -65,7 +66,7 @@ class Engine:
         backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph, slots=slots)
         return cls(bundle, manifest, backend_, tokenizer, sps, calibration)
 
-    def scheduler(self, name: str = "auto", threshold: float = 0.5):
+    def scheduler(self, name: str = "auto", threshold: float = 0.5) -> Scheduler | None:
         return make_scheduler(name, threshold, self.sps, self.calibration, str(self.bundle))
 
     def encode(self, prompt: str | Sequence[dict[str, str]], chat: bool = True) -> list[int]:

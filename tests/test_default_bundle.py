@@ -192,7 +192,7 @@ def test_chat_template_matches_transformers(default_bundle, manifest, smollm2):
 
 def test_no_speculation_gives_the_same_tokens(default_bundle, smollm2, capsys):
     prompt = PROMPTS[1]
-    spec = generate_json(capsys, default_bundle.path, prompt)
+    spec = generate_json(capsys, default_bundle.path, prompt, "--scheduler", "fixed")
     alone = generate_json(capsys, default_bundle.path, prompt, "--no-speculation")
     thr = generate_json(capsys, default_bundle.path, prompt, "--scheduler", "threshold")
     ids = chat_ids(smollm2.tokenizer, [{"role": "user", "content": prompt}])
