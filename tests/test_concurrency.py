@@ -60,6 +60,44 @@ def test_greedy_batch_identical_to_solo(tiny_bundle, engines, scheduler):
         assert 0 < drafted < cycles, f"the drafter gate should skip some steps ({drafted} of {cycles} drafted)"
 
 
+@pytest.mark.parametrize("graph", ["ort", "portable"])
+def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
+    """Two slots at different lengths: a drafting round with 1 and 3 new context rows (one row
+    padded) and a verification with 1 + 1 and 1 + 4 tokens (one row padded), against the torch
+    reference row by row, sampled."""
+    from dspark.export import TorchBackend
+    from dspark.runtime.manifest import Manifest
+    from dspark.runtime.ort_backend import OrtBackend
+
+    solo_engine, _ = engines
+    manifest = Manifest.load(tiny_bundle.path)
+    ob = OrtBackend(tiny_bundle.path, manifest, MAX_SEQ, target_graph=graph, slots=2)
+    tb = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, MAX_SEQ, slots=2)
+    ids = [np.asarray(solo_engine.encode(p), np.int64) for p in PROMPTS[:2]]
+    feats = []
+    for slot, x in enumerate(ids):
+        (lo, fo), (lr, fr) = ob.prefill(slot, x, True), tb.prefill(slot, x, True)
+        np.testing.assert_allclose(lo, lr, atol=1e-4)
+        feats.append(fr)
+    # slot 1 takes two more target tokens first, so that it feeds the drafter 3 context rows
+    extra = np.array([[5, 6]], np.int64)
+    ob._run_target(1, extra, np.array([len(ids[1])]), np.zeros((1, 1), np.int64))
+    (_, fr1) = tb._row(1, extra[0], len(ids[1]))
+    counts = np.array([1, 3])
+    features = np.zeros((2, 3, manifest.drafter.feature_dim), np.float32)
+    features[0, :1], features[1] = feats[0], np.concatenate([feats[1], fr1])
+    starts = np.array([len(ids[0]), len(ids[1]) + 2])
+    args = (counts, starts - counts, np.array([7, 8]), np.ones(2, np.float32), np.random.default_rng(0).random((2, 4)))
+    do, dr = ob.draft(features, *args), tb.draft(features, *args)
+    assert do.tokens.tolist() == dr.tokens.tolist()
+    np.testing.assert_allclose(do.probs, dr.probs, atol=1e-4)
+    np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=1e-4)
+    tokens = np.concatenate([np.array([[7], [8]]), do.tokens], axis=1)  # [2, 5]; row 0 verifies one draft
+    lo, fo = ob.target(tokens, starts)
+    np.testing.assert_allclose(lo[0, :2], tb.target(tokens[:1, :2], starts[:1])[0][0], atol=1e-4)
+    np.testing.assert_allclose(lo[1], tb._row(1, tokens[1], int(starts[1]))[0], atol=1e-4)
+
+
 def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
     """The standard-op target graph (what TensorRT reads) serves batched verification by itself."""
     solo_engine, _ = engines
