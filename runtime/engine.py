@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .calibration import Calibration
 from .errors import InputError
-from .generate import Request, SamplingParams, Stats, generate_batch
+from .generate import Request, SamplingParams, Stats, check_requests, generate_batch
 from .manifest import Manifest
 from .ort_backend import OrtBackend
 from .scheduler import Scheduler
@@ -93,7 +93,6 @@ class Engine:
         seeds = list(range(len(prompts))) if seeds is None else list(seeds)
         if len(seeds) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        sched = self.scheduler(scheduler, threshold)
         ids = [self.encode(p, chat) for p in prompts]
         texts: list[list[str]] = [[] for _ in prompts]
 
@@ -112,8 +111,9 @@ class Engine:
 
         requests = [Request(x, SamplingParams(temperature, max_new_tokens, seed, self.manifest.stop_token_ids),
                             on_tokens(i)) for i, (x, seed) in enumerate(zip(ids, seeds))]
+        check_requests(self.backend, requests)  # bad requests fail before the scheduler's fallback warning
         results = []
-        for x, gen in zip(ids, generate_batch(self.backend, requests, sched)):
+        for x, gen in zip(ids, generate_batch(self.backend, requests, self.scheduler(scheduler, threshold))):
             out = self.tokenizer.decode(gen.token_ids)
             for s in stop:
                 if s in out:

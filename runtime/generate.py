@@ -124,8 +124,8 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
     return generate_batch(backend, [Request(prompt_ids, params, on_tokens)], scheduler)[0]
 
 
-def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Scheduler | None) -> list[Generation]:
-    """Serve `requests`, at most `backend.slots` at a time, in order of arrival; results in the same order."""
+def check_requests(backend: Backend, requests: Sequence[Request]) -> None:
+    """Every request must fit a slot: prompt + budget + one block."""
     gamma = backend.block_size
     for r in requests:
         n, p = len(r.prompt_ids), r.params
@@ -135,6 +135,11 @@ def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Sch
         if need > backend.max_seq:
             raise InputError(f"prompt of {n} tokens + max_new_tokens {p.max_new_tokens} + block {gamma + 1} "
                              f"= {need} exceeds the context of {backend.max_seq} positions")
+
+
+def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Scheduler | None) -> list[Generation]:
+    """Serve `requests`, at most `backend.slots` at a time, in order of arrival; results in the same order."""
+    check_requests(backend, requests)
     queue = deque(range(len(requests)))
     slots: list[_Active | None] = [None] * backend.slots
     results: list[Generation | None] = [None] * len(requests)
