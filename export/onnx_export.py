@@ -51,12 +51,13 @@ def export_drafter(drafter: Drafter, path: Path) -> list[str]:
     L, gamma = c.num_layers, c.block_size
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
     args = (torch.zeros(_B, _S, c.feature_dim), torch.arange(_P, _P + _S + gamma).expand(_B, -1).contiguous(),
-            torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P), *kv)
-    inputs = ["features", "positions", "anchor", "temperature", "uniforms", "past_mask", *_kv_names("past", L)]
+            torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P), torch.zeros(_B, _S), *kv)
+    inputs = ["features", "positions", "anchor", "temperature", "uniforms", "past_mask", "ctx_mask",
+              *_kv_names("past", L)]
     outputs = ["draft_tokens", "draft_probs", "confidence_logits", *_kv_names("ctx", L)]
     b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
-    shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p},
+    shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
               tuple({0: b, 2: smax} for _ in kv))
     program = torch.onnx.export(DrafterGraph(drafter).eval(), args, input_names=inputs, output_names=outputs,
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,

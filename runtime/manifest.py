@@ -9,8 +9,8 @@ from typing import Any
 from .config import DrafterConfig, TargetConfig
 from .errors import BundleError, ConfigError
 
-BUNDLE_FORMAT = 1  # bumped whenever graphs or manifest change incompatibly
-EXPORTER_VERSION = "0.1.0"
+BUNDLE_FORMAT = 2  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input)
+EXPORTER_VERSION = "0.2.0"
 
 
 @dataclass
