@@ -1,0 +1,181 @@
+"""A `Backend` (runtime/backend.py) over two engine steps on one device, for any engine:
+the KV caches and static inputs live here, each call is rounded to a shape bucket, and calls
+of up to γ+1 rows are captured once per bucket as a CUDA graph and replayed after that.
+Lengths reach the graphs as device data (positions, past_mask, logit_index), never as
+shapes or host scalars, so one graph serves every call of its bucket. Batch 1, like the loop."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..backend import Draft
+from ..config import DrafterConfig, TargetConfig
+from ..errors import InputError
+from .buckets import Buckets, past_mask
+from .device import Device, Outputs
+
+
+class Step(Protocol):
+    """One engine graph (target or drafter), as the exported ONNX graphs define it."""
+
+    def prepare(self, inputs: dict[str, Any], kv: list[Any], graphed: bool) -> Callable[[], Outputs]:
+        """Bind static inputs (device arrays by input name) and the KV caches (keys of every
+        layer, then values) for one shape. Returns launch(): enqueue the step, return its
+        outputs by name. `graphed`: launch() will be captured in a CUDA graph."""
+        ...
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0
+    capture_failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Entry:
+    inputs: dict[str, Any]  # static input buffers
+    run: Callable[[], Outputs]  # replay (returns the static outputs) or the eager body
+
+
+class StepRunner:
+    """Static buffers and graphs of one step, keyed by the shapes of its inputs."""
+
+    def __init__(self, device: Device, step: Step, kv: list[Any], prefix: str, layers: int, graphs: bool):
+        self.device, self.step, self.kv, self.prefix, self.layers, self.graphs = device, step, kv, prefix, layers, graphs
+        self.entries: dict[tuple, _Entry] = {}
+        self.stats = GraphStats()
+
+    def __call__(self, host: dict[str, np.ndarray], rows: int, keep: bool) -> Outputs:
+        """Run the step on host inputs; its first `rows` positions get their new K/V rows written.
+        keep: cache this bucket's buffers (and its graph when graphs are on)."""
+        key = tuple((name, a.shape) for name, a in host.items())
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._new(host, rows, graphed=keep and self.graphs)
+            if keep:
+                self.entries[key] = entry
+        else:
+            for name, a in host.items():
+                self.device.upload(entry.inputs[name], a)
+        return entry.run()
+
+    def _new(self, host: dict[str, np.ndarray], rows: int, graphed: bool) -> _Entry:
+        d = self.device
+        inputs = {name: d.zeros(a.shape, a.dtype) for name, a in host.items()}
+        for name, a in host.items():  # before any launch: the warm-up writes real KV rows
+            d.upload(inputs[name], a)
+        launch = self.step.prepare(inputs, self.kv, graphed)
+        positions = inputs["positions"]
+        L = self.layers
+
+        def body() -> Outputs:
+            out = launch()
+            for i in range(L):
+                d.write_rows(self.kv[i], out[f"{self.prefix}_key_{i}"], positions)
+                d.write_rows(self.kv[L + i], out[f"{self.prefix}_value_{i}"], positions)
+            return out
+
+        if graphed:
+            try:
+                replay, outputs = d.capture(body)
+            except Exception as e:  # noqa: BLE001 — a step that cannot be captured still runs, eagerly
+                self.stats.capture_failures.append(f"{key_text(host)}: {type(e).__name__}: {e}")
+            else:
+                self.stats.captures += 1
+
+                def run() -> Outputs:
+                    replay()
+                    self.stats.replays += 1
+                    return outputs
+
+                return _Entry(inputs, run)
+
+        def eager() -> Outputs:
+            self.stats.eager += 1
+            return body()
+
+        return _Entry(inputs, eager)
+
+
+def key_text(host: dict[str, np.ndarray]) -> str:
+    return ", ".join(f"{name}{list(a.shape)}" for name, a in host.items())
+
+
+class GraphBackend:
+    """`Backend` over a target step and an optional drafter step (None: the target alone)."""
+
+    def __init__(self, device: Device, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None,
+                 target_step: Step, drafter_step: Step | None, buckets: Buckets, graphs: bool = True,
+                 kv_dtype: np.dtype = np.dtype(np.float32)):
+        t = target_cfg
+        self.device, self.buckets = device, buckets
+        self.vocab_size, self.max_seq = t.vocab_size, buckets.max_seq
+        self.block_size = drafter_cfg.block_size if drafter_step is not None else 0
+        if drafter_step is not None and buckets.max_query < self.block_size + 1:
+            raise InputError(f"buckets.max_query is {buckets.max_query}, the drafter needs γ+1 = {self.block_size + 1}")
+        kv_t = [device.zeros((1, t.num_kv_heads, buckets.max_seq, t.head_dim), kv_dtype) for _ in range(2 * t.num_layers)]
+        self._target = StepRunner(device, target_step, kv_t, "new", t.num_layers, graphs)
+        self._drafter = None
+        if drafter_step is not None:
+            c = drafter_cfg
+            kv_d = [device.zeros((1, c.num_kv_heads, buckets.max_seq, c.head_dim), kv_dtype) for _ in range(2 * c.num_layers)]
+            self._drafter = StepRunner(device, drafter_step, kv_d, "ctx", c.num_layers, graphs)
+
+    @property
+    def stats(self) -> dict[str, GraphStats]:
+        out = {"target": self._target.stats}
+        if self._drafter is not None:
+            out["drafter"] = self._drafter.stats
+        return out
+
+    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.asarray(tokens, np.int64)
+        n = len(tokens)
+        if not 1 <= logit_rows <= n or start + n > self.max_seq:
+            raise InputError(f"target call: {n} tokens at {start}, {logit_rows} logit rows, max_seq {self.max_seq}")
+        first = n - logit_rows  # the first row whose logits are wanted
+        logits, feats = [], []
+        for lo, hi in self.buckets.chunks(n):
+            rows = np.arange(max(lo, first), hi, dtype=np.int64) - lo
+            index = rows if len(rows) else np.array([hi - lo - 1], np.int64)  # one row is always computed
+            out = self._target({
+                "input_ids": tokens[None, lo:hi],  # [1, S]
+                "positions": np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
+                "logit_index": index[None],  # [1, K]
+                "past_mask": past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
+            }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+            if len(rows):
+                logits.append(self.device.download(out["logits"])[0].astype(np.float32, copy=False))
+            feats.append(self.device.download(out["features"])[0].astype(np.float32, copy=False))
+        return np.concatenate(logits), np.concatenate(feats)
+
+    def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
+              temperature: float, uniforms: np.ndarray) -> Draft:
+        """Context rows in chunks: a chunk's K/V depend only on its features and positions,
+        so every chunk but the last drafts a block whose outputs are dropped."""
+        gamma, n = self.block_size, start - ctx_start
+        if self._drafter is None:
+            raise InputError("this backend was opened without a drafter")
+        if n < 1 or len(features) != n or start + gamma > self.max_seq:
+            raise InputError(f"draft round: {len(features)} context rows for positions {ctx_start}..{start - 1}, "
+                             f"block end {start + gamma}, max_seq {self.max_seq}")
+        features = np.ascontiguousarray(features, np.float32)
+        block = np.arange(start, start + gamma, dtype=np.int64)
+        for lo, hi in self.buckets.chunks(n):
+            out = self._drafter({
+                "features": features[None, lo:hi],  # [1, m, F]
+                "positions": np.concatenate([np.arange(ctx_start + lo, ctx_start + hi, dtype=np.int64), block])[None],
+                "anchor": np.array([anchor], np.int64),
+                "temperature": np.array([temperature], np.float32),
+                "uniforms": np.asarray(uniforms, np.float32)[None],  # [1, γ]
+                "past_mask": past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo)),
+            }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+        d = self.device
+        return Draft(d.download(out["draft_tokens"])[0].astype(np.int64, copy=False),
+                     d.download(out["draft_probs"])[0].astype(np.float32, copy=False),
+                     d.download(out["confidence_logits"])[0].astype(np.float32, copy=False))
