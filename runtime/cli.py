@@ -4,6 +4,8 @@
     dspark generate --bundle engines/smollm2 --prompt "What is 17 * 23?"
     dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
     dspark chat --bundle engines/smollm2
+    dspark build --bundle engines/smollm2 --backend tensorrt     # TensorRT engines (GPU + tensorrt)
+    dspark validate --bundle engines/smollm2 --backend ort-portable   # a backend vs ONNX Runtime
 """
 from __future__ import annotations
 
@@ -19,12 +21,16 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --temperature 0.7 --seed 1 --json
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
+  dspark build --bundle engines/smollm2 --backend tensorrt --precision fp32 --max-seq 2048
+  dspark generate --bundle engines/smollm2 --backend tensorrt --prompt "Hi"
+  dspark validate --bundle engines/smollm2 --backend tensorrt
 """
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
-    p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
+    p.add_argument("--backend", default="onnxruntime",
+                   help="engine backend: onnxruntime (default) or tensorrt (engines from `dspark build`, needs a GPU)")
     p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
     p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
@@ -71,6 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
                        "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
     _add_engine_args(p)
+
+    p = sub.add_parser("build", help="engines for a GPU backend from the bundle's ONNX graphs",
+                       description="Build TensorRT engines into the bundle, on the GPU that will run them (needs "
+                       "the tensorrt and cupy packages). Two optimization profiles per engine (prefill chunks; "
+                       "verification of batch 1..--max-batch x 1..γ+1 rows), contexts up to --max-seq; a timing "
+                       "cache reused across builds; engine metadata written into manifest.json.")
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--backend", required=True, choices=["tensorrt"], help="what to build for")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
+                   help="fp32 (default) or tf32 on fp32 graphs; fp16/bf16 need graphs exported in that type")
+    p.add_argument("--max-seq", type=int, default=None, help="KV rows and longest context (default: 2048 or the "
+                   "model's limit)")
+    p.add_argument("--max-batch", type=int, default=1, help="largest verification batch (default 1)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call (default 512)")
+    p.add_argument("--timing-cache", default=None, help="timing cache file, reused across builds (default: "
+                   "~/.cache/dspark/tensorrt-<version>-sm<cc>.timing)")
+    p.add_argument("--workspace-gib", type=float, default=8.0, help="builder workspace limit in GiB (default 8)")
     return parser
 
 
@@ -151,7 +174,18 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": r.text})
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat}
+def cmd_build(args) -> int:
+    from .trt.build import build_tensorrt
+
+    meta = build_tensorrt(args.bundle, precision=args.precision, max_seq=args.max_seq, max_batch=args.max_batch,
+                          prefill_chunk=args.prefill_chunk, timing_cache=args.timing_cache,
+                          workspace_gib=args.workspace_gib, log=lambda s: print(s, file=sys.stderr))
+    print(f"wrote {', '.join(meta['engines'].values())} into {args.bundle} (TensorRT {meta['tensorrt_version']}, "
+          f"{meta['gpu_name']}, {meta['precision']})")
+    return 0
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "build": cmd_build}
 
 
 def main(argv: list[str] | None = None) -> int:

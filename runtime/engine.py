@@ -11,12 +11,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import Backend
 from .errors import InputError
 from .generate import SamplingParams, Stats, generate
 from .manifest import Manifest
 from .ort_backend import OrtBackend
 from .scheduler import FixedLength, Scheduler, StaticThreshold
 from .tokenizer import ChatTokenizer
+
+BACKENDS = ("onnxruntime", "tensorrt")
 
 
 @dataclass
@@ -43,26 +46,31 @@ def make_scheduler(name: str, threshold: float = 0.5) -> Scheduler | None:
 
 
 class Engine:
-    def __init__(self, bundle: Path, manifest: Manifest, backend: OrtBackend, tokenizer: ChatTokenizer):
+    def __init__(self, bundle: Path, manifest: Manifest, backend: Backend, tokenizer: ChatTokenizer):
         self.bundle, self.manifest, self.backend, self.tokenizer = bundle, manifest, backend, tokenizer
 
     @classmethod
     def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
              provider: str = "cpu", threads: int | None = None, target_graph: str = "auto") -> "Engine":
-        """Validate the bundle's manifest, open its graphs and preallocate KV for `max_seq`
-        positions (default: 2048 or the model's limit, whichever is smaller)."""
+        """Validate the bundle's manifest, open its graphs (onnxruntime) or engines (tensorrt, built
+        by `dspark build`) and preallocate KV for `max_seq` positions (default: 2048 or the model's
+        limit, whichever is smaller; for tensorrt, what the engines were built for)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
-        if backend != "onnxruntime":
-            raise InputError(f"unknown backend {backend!r}; this runtime has: onnxruntime")
+        if backend not in BACKENDS:
+            raise InputError(f"unknown backend {backend!r}; this runtime has: {', '.join(BACKENDS)}")
         limit = manifest.target.max_position_embeddings
-        max_seq = min(2048, limit) if max_seq is None else max_seq
-        if not 1 < max_seq <= limit:
+        if max_seq is not None and not 1 < max_seq <= limit:
             raise InputError(f"max_seq is {max_seq}, expected 2..{limit} (the target's max_position_embeddings)")
         tokenizer = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
         if tokenizer.vocab_size > manifest.target.vocab_size:
             raise InputError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{manifest.target.vocab_size}")
+        if backend == "tensorrt":  # KV as long as the engines were built for, unless max_seq says otherwise
+            from .trt.backend import tensorrt_backend
+
+            return cls(bundle, manifest, tensorrt_backend(bundle, manifest, max_seq), tokenizer)
+        max_seq = min(2048, limit) if max_seq is None else max_seq
         backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph)
         return cls(bundle, manifest, backend_, tokenizer)
 
