@@ -94,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-cache", default=None, help="timing cache file, reused across builds (default: "
                    "~/.cache/dspark/tensorrt-<version>-sm<cc>.timing)")
     p.add_argument("--workspace-gib", type=float, default=8.0, help="builder workspace limit in GiB (default 8)")
+
+    p = sub.add_parser("validate", help="compare a backend's outputs with ONNX Runtime's",
+                       description="Run a backend and ONNX Runtime (CPU, its default graph) on the same inputs: "
+                       "prefill, drafting (greedy and sampled, same uniforms) and verification outputs within "
+                       "the tolerances of the precision, then greedy generations token-identical in the "
+                       "floating-point sense (a split only at a reference top-2 logit gap below 1e-3). Exit 0 when "
+                       "everything passes, 1 when something does not.")
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--backend", required=True, help="onnxruntime, ort-portable (the standard-op target graph), "
+                   "tensorrt, torch (the PyTorch reference) or torch-cuda-graph (the reference as CUDA graphs)")
+    p.add_argument("--target", default=None, help="torch backends: the target the bundle was exported from "
+                   "(default: the default SmolLM2)")
+    p.add_argument("--drafter", default=None, help="torch backends: the drafter checkpoint it was exported with")
+    p.add_argument("--prompt", action="append", default=[], help="a user message (repeatable; default: two built in)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per greedy generation (default 32)")
+    p.add_argument("--max-seq", type=int, default=None, help="KV rows (default 512; tensorrt: the engines')")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
 
 
@@ -185,7 +202,31 @@ def cmd_build(args) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "build": cmd_build}
+VALIDATE_PROMPTS = ["What is 17 * 23?", "Write one sentence about the sea."]
+
+
+def cmd_validate(args) -> int:
+    from pathlib import Path
+
+    from .manifest import Manifest
+    from .tokenizer import ChatTokenizer
+    from .validate import open_backend, validate
+
+    bundle = Path(args.bundle)
+    manifest = Manifest.load(bundle)
+    candidate = open_backend(args.backend, bundle, manifest, args.max_seq, args.target, args.drafter)
+    reference = open_backend("onnxruntime", bundle, manifest, candidate.max_seq)
+    tok = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in args.prompt or VALIDATE_PROMPTS]
+    precision = manifest.extra.get("tensorrt", {}).get("precision", "fp32") if args.backend == "tensorrt" else "fp32"
+    report = validate(reference, candidate, prompts, ("onnxruntime", args.backend), precision, args.max_new_tokens,
+                      manifest.stop_token_ids)
+    print(json.dumps(report.to_dict()) if args.json else "\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "build": cmd_build,
+            "validate": cmd_validate}
 
 
 def main(argv: list[str] | None = None) -> int:
