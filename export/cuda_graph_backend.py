@@ -8,6 +8,7 @@ which lets the CPU suite check everything on the GPU path but the capture itself
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,16 @@ class TorchDevice:
         for b in range(rows.shape[0]):
             cache[b].index_copy_(1, positions[b, :n], rows[b])  # [H, S_max, D] rows at device positions
 
+    def compute(self, fn: Callable[..., Any], *args: Any) -> np.ndarray:
+        """numpy on the CPU; CuPy on CUDA (zero-copy through DLPack; both libraries use the
+        device's default stream here, so the work is ordered after the graphs)."""
+        if not self.is_cuda:
+            return np.asarray(fn(np, *(a.numpy() if isinstance(a, torch.Tensor) else np.asarray(a) for a in args)))
+        import cupy
+
+        views = (cupy.from_dlpack(a) if isinstance(a, torch.Tensor) else cupy.asarray(a) for a in args)
+        return cupy.asnumpy(fn(cupy, *views))
+
     def capture(self, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         if not self.is_cuda:  # the CPU stand-in: replays re-run the body into the first outputs
             outputs = body()
@@ -92,11 +103,15 @@ class TorchStep:
 
 
 def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: int, device: str = "cuda",
-                       graphs: bool = True, prefill_chunk: int = 512, min_context: int = 128) -> GraphBackend:
+                       graphs: bool = True, prefill_chunk: int = 512, min_context: int = 128,
+                       device_acceptance: bool | None = None) -> GraphBackend:
     """A `Backend` running the target (and drafter) graph modules on `device`, replaying CUDA
     graphs per (query length, context bucket) when `graphs` is on. The models are copied, not
-    moved: the caller's modules stay where they are."""
+    moved: the caller's modules stay where they are. device_acceptance (None: on the CPU, and on
+    CUDA where CuPy is installed): the acceptance rule runs next to the logits."""
     dev = TorchDevice(device)
+    if device_acceptance is None:
+        device_acceptance = not dev.is_cuda or importlib.util.find_spec("cupy") is not None
     ids = drafter.cfg.target_layer_ids if drafter is not None else ()
     t = TargetGraph(copy.deepcopy(target), ids).to(dev.device).eval()
     target_step = TorchStep(t, TARGET_INPUTS, target_outputs(target.cfg.num_layers))
@@ -111,4 +126,4 @@ def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: in
     if kv_dtype is None:
         raise BackendError(f"the CUDA-graph backend runs fp32 models; got {target.embed_tokens.weight.dtype}")
     return GraphBackend(dev, target.cfg, drafter.cfg if drafter is not None else None, target_step, drafter_step,
-                        buckets, graphs, kv_dtype)
+                        buckets, graphs, kv_dtype, device_acceptance)

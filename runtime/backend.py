@@ -19,6 +19,11 @@ class Draft:
 
 
 class Backend(Protocol):
+    """Optional: a backend whose logits live on a device may set `accepts_on_device = True` and
+    provide `verify_on_device(tokens, start, temperature, u_accept, u_emit) -> (a, token,
+    features)`, which runs the target over [anchor, drafts] and applies the acceptance rule
+    against the last draft() there (runtime/gpu/graph_backend.py); the loop then uses it."""
+
     block_size: int  # γ
     vocab_size: int
     max_seq: int  # positions available in the preallocated caches

@@ -82,6 +82,7 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
         raise InputError(f"prompt of {n} tokens + max_new_tokens {params.max_new_tokens} + block {gamma + 1} "
                          f"= {need} exceeds the context of {backend.max_seq} positions")
     stops = set(params.stop_token_ids)
+    on_device = getattr(backend, "accepts_on_device", False)  # optional Backend capability
     rng = np.random.default_rng(params.seed)
     stats = Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64))
     out: list[int] = []
@@ -126,9 +127,13 @@ def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams
         t1 = time.perf_counter()
         ell = min(scheduler.length(draft.confidence_logits), params.max_new_tokens - len(out) - 1)
         proposed = draft.tokens[:ell]
-        logits, feats = backend.target(np.concatenate([[anchor], proposed]).astype(np.int64), start, ell + 1)
+        block = np.concatenate([[anchor], proposed]).astype(np.int64)
+        if on_device:  # the same rule, applied where the logits are (runtime/gpu/accept.py)
+            a, token, feats = backend.verify_on_device(block, start, T, u[gamma:2 * gamma], u[2 * gamma])
+        else:
+            logits, feats = backend.target(block, start, ell + 1)
+            a, token = verify(proposed, draft.probs[:ell], logits, T, u[gamma:2 * gamma], u[2 * gamma])
         t2 = time.perf_counter()
-        a, token = verify(proposed, draft.probs[:ell], logits, T, u[gamma:2 * gamma], u[2 * gamma])
         stats.times["draft"] += t1 - t0
         stats.times["verify"] += t2 - t1
         stats.cycles += 1

@@ -5,7 +5,8 @@ On SmolLM2-135M-shaped random weights (the real GGUF is too big to carry to the 
             graphs captured per bucket) and its eager twin against the PyTorch reference on
             the CPU: greedy identity in the sense of dspark.md §1; sampled runs token-identical
             between replayed graphs and eager launches
-  timing    host time per DSpark cycle with and without graph replay; target alone vs DSpark
+  timing    host time per DSpark cycle with and without graph replay, acceptance on the device
+            or on the host; target alone vs DSpark
   sps       the SPS curve: verification steps per second for 1..γ+1 rows, replayed and eager
   cupy      the CuPy device the TensorRT backend uses (row scatter, capture, replay)
 Writes gpu_check.json (and gpu_check.png when matplotlib is there) under --out.
@@ -125,6 +126,8 @@ def check_sps(ctx: dict, res: dict) -> None:
     tokens = np.resize(np.asarray(ctx["prompts"][-1], np.int64), a.gamma + 1)  # γ+1 tokens, whatever the prompts
     start = min(256, a.max_seq // 2)
     for name, be in ctx["backends"].items():
+        if name.endswith("host-accept"):
+            continue  # the same target calls as "graphs"
         curve = {}
         for S in range(1, a.gamma + 2):
             for _ in range(3):  # capture and warm up this bucket
@@ -241,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (5, 13, 30) if args.smoke else (24, 200, 700)  # 700 > one prefill chunk; contexts cross buckets
     prompts = [rng.integers(5, dims["vocab"], n).tolist() for n in lengths]
     backends = {name: cuda_graph_backend(target, drafter, args.max_seq, device, graphs=graphs, prefill_chunk=chunk,
-                                         min_context=min_context)
-                for name, graphs in (("graphs", True), ("eager", False))}
+                                         min_context=min_context, device_acceptance=None if on_device else False)
+                for name, graphs, on_device in (("graphs", True, True), ("eager", False, True),
+                                                ("graphs-host-accept", True, False))}
+    res["acceptance_on_device"] = {name: be.accepts_on_device for name, be in backends.items()}
     ctx = {"args": args, "target": target, "drafter": drafter, "prompts": prompts, "backends": backends}
     res["setup_s"] = round(time.perf_counter() - t0, 1)
     checks = [check_identity, check_timing, check_sps] + ([] if args.smoke else [check_cupy])

@@ -49,8 +49,9 @@ def models(one_torch_thread):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("graphs", [True, False], ids=["replayed", "eager"])
-def test_graph_backend_matches_torch_reference(models, temperature, graphs):
+@pytest.mark.parametrize("graphs,device_acceptance", [(True, True), (True, False), (False, True)],
+                         ids=["replayed", "replayed-host-acceptance", "eager"])
+def test_graph_backend_matches_torch_reference(models, temperature, graphs, device_acceptance):
     """Small chunks and context buckets, so prefill is chunked (also the first drafting round),
     calls cross context buckets, and buckets are reused with other lengths in device memory."""
     target, drafter = models
@@ -58,7 +59,9 @@ def test_graph_backend_matches_torch_reference(models, temperature, graphs):
     for seed, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature, 48, seed)
         ref = generate(TorchBackend(target, drafter, 128), prompt, params, FixedLength())
-        be = cuda_graph_backend(target, drafter, 128, device="cpu", graphs=graphs, prefill_chunk=5, min_context=8)
+        be = cuda_graph_backend(target, drafter, 128, device="cpu", graphs=graphs, prefill_chunk=5, min_context=8,
+                                device_acceptance=device_acceptance)
+        assert be.accepts_on_device == device_acceptance
         got = generate(be, prompt, params, FixedLength())
         if temperature == 0:
             m = greedy_match(ref.token_ids, got.token_ids, reference_logits(target, prompt, ref.token_ids))
@@ -102,3 +105,6 @@ def test_graph_backend_steps_match_reference_rows(models):
         be.target(ids, 60, 1)  # past max_seq
     with pytest.raises(InputError):
         be.draft(fg[:2], 0, 1, 3, 0.0, np.zeros(4))  # 2 rows for positions 0..2
+    d = be.draft(fg, 0, 5, len(ids), 1.0, np.full(4, 0.5))  # distributions stay on the device until read
+    r = ref.draft(fr, 0, 5, len(ids), 1.0, np.full(4, 0.5))
+    assert d.tokens.tolist() == r.tokens.tolist() and np.abs(d.probs - r.probs).max() < 1e-5

@@ -78,6 +78,11 @@ class CupyDevice:
         with self.stream:
             self._write(rows, positions, H, n, cache.shape[2], D, positions.shape[1], cache, size=rows.size)
 
+    def compute(self, fn: Callable[..., Any], *args: Any) -> np.ndarray:
+        cp = self.cp
+        with self.stream:
+            return fn(cp, *(a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in args)).get(stream=self.stream)
+
     def capture(self, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         """One warm-up run (TensorRT wants an enqueue after every shape change before a capture),
         then capture on the stream."""

@@ -32,6 +32,12 @@ class Device(Protocol):
         on the stream; positions [B, >= n] stays on the device, so a captured graph replays it."""
         ...
 
+    def compute(self, fn: Callable[..., Any], *args: Any) -> np.ndarray:
+        """fn(xp, *args) with xp the device's array module (numpy or CuPy) and every argument as
+        an xp array (device arrays as views, host arrays copied over), on the device's stream;
+        the result comes back to the host. For small computations outside the graphs."""
+        ...
+
     def capture(self, body: Callable[[], Outputs]) -> tuple[Callable[[], None], Outputs]:
         """Run `body` once as a warm-up, capture it as a CUDA graph; return (replay, the static
         outputs that every replay rewrites). Raises if the body cannot be captured."""

@@ -14,6 +14,7 @@ import numpy as np
 from ..backend import Draft
 from ..config import DrafterConfig, TargetConfig
 from ..errors import InputError
+from .accept import accept
 from .buckets import Buckets, past_mask
 from .device import Device, Outputs
 
@@ -111,9 +112,13 @@ class GraphBackend:
 
     def __init__(self, device: Device, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None,
                  target_step: Step, drafter_step: Step | None, buckets: Buckets, graphs: bool = True,
-                 kv_dtype: np.dtype = np.dtype(np.float32)):
+                 kv_dtype: np.dtype = np.dtype(np.float32), device_acceptance: bool = True):
+        """device_acceptance: the loop verifies through `verify_on_device` (the acceptance rule runs
+        next to the logits, runtime/gpu/accept.py) and drafts keep their distributions on the device."""
         t = target_cfg
         self.device, self.buckets = device, buckets
+        self.accepts_on_device = device_acceptance
+        self._draft_out: Outputs | None = None  # the last drafting round's outputs, on the device
         self.vocab_size, self.max_seq = t.vocab_size, buckets.max_seq
         self.block_size = drafter_cfg.block_size if drafter_step is not None else 0
         if drafter_step is not None and buckets.max_query < self.block_size + 1:
@@ -138,21 +143,42 @@ class GraphBackend:
         n = len(tokens)
         if not 1 <= logit_rows <= n or start + n > self.max_seq:
             raise InputError(f"target call: {n} tokens at {start}, {logit_rows} logit rows, max_seq {self.max_seq}")
-        first = n - logit_rows  # the first row whose logits are wanted
         logits, feats = [], []
         for lo, hi in self.buckets.chunks(n):
-            rows = np.arange(max(lo, first), hi, dtype=np.int64) - lo
-            index = rows if len(rows) else np.array([hi - lo - 1], np.int64)  # one row is always computed
-            out = self._target({
-                "input_ids": tokens[None, lo:hi],  # [1, S]
-                "positions": np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
-                "logit_index": index[None],  # [1, K]
-                "past_mask": past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
-            }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
-            if len(rows):
+            out, wanted = self._target_chunk(tokens, start, lo, hi, n - logit_rows)
+            if wanted:
                 logits.append(self.device.download(out["logits"])[0].astype(np.float32, copy=False))
             feats.append(self.device.download(out["features"])[0].astype(np.float32, copy=False))
         return np.concatenate(logits), np.concatenate(feats)
+
+    def _target_chunk(self, tokens: np.ndarray, start: int, lo: int, hi: int, first: int) -> tuple[Outputs, bool]:
+        """Rows lo..hi-1 of a call at `start`, with logits for the rows from `first` on; returns the
+        outputs (on the device) and whether this chunk has any of those rows."""
+        rows = np.arange(max(lo, first), hi, dtype=np.int64) - lo
+        index = rows if len(rows) else np.array([hi - lo - 1], np.int64)  # one row is always computed
+        out = self._target({
+            "input_ids": tokens[None, lo:hi],  # [1, S]
+            "positions": np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
+            "logit_index": index[None],  # [1, K]
+            "past_mask": past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
+        }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+        return out, len(rows) > 0
+
+    def verify_on_device(self, tokens: np.ndarray, start: int, temperature: float, u_accept: np.ndarray,
+                         u_emit: float) -> tuple[int, int, np.ndarray]:
+        """Verify [anchor, d_1..d_ℓ] against the last drafting round: the target step, then the
+        acceptance rule on the device. Only (a, token) and the features [ℓ+1, F] come back."""
+        tokens = np.asarray(tokens, np.int64)
+        S = len(tokens)
+        if self._draft_out is None or not 1 <= S <= self.buckets.max_query or start + S > self.max_seq:
+            raise InputError(f"verify_on_device: {S} tokens at {start} (needs a drafting round first, at most "
+                             f"{self.buckets.max_query} tokens, max_seq {self.max_seq})")
+        out, _ = self._target_chunk(tokens, start, 0, S, 0)
+        ell = S - 1
+        a, token = self.device.compute(
+            lambda xp, drafts, p_d, logits, u: accept(xp, drafts, p_d[0, :ell], logits[0], temperature, u, u_emit),
+            tokens[1:], self._draft_out["draft_probs"], out["logits"], np.asarray(u_accept[:ell], np.float64))
+        return int(a), int(token), self.device.download(out["features"])[0].astype(np.float32, copy=False)
 
     def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
               temperature: float, uniforms: np.ndarray) -> Draft:
@@ -176,6 +202,23 @@ class GraphBackend:
                 "past_mask": past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo)),
             }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
         d = self.device
-        return Draft(d.download(out["draft_tokens"])[0].astype(np.int64, copy=False),
-                     d.download(out["draft_probs"])[0].astype(np.float32, copy=False),
-                     d.download(out["confidence_logits"])[0].astype(np.float32, copy=False))
+        self._draft_out = out
+        tokens = d.download(out["draft_tokens"])[0].astype(np.int64, copy=False)
+        confidence = d.download(out["confidence_logits"])[0].astype(np.float32, copy=False)
+        if self.accepts_on_device:
+            return DeviceDraft(tokens, confidence, d, out["draft_probs"])
+        return Draft(tokens, d.download(out["draft_probs"])[0].astype(np.float32, copy=False), confidence)
+
+
+class DeviceDraft(Draft):
+    """A `Draft` whose distributions stay on the device: `probs` copies them to the host when
+    read, which is valid until the backend's next draft() call. A loop that verifies on the
+    device never reads them."""
+
+    def __init__(self, tokens: np.ndarray, confidence_logits: np.ndarray, device: Device, probs: Any):
+        self.tokens, self.confidence_logits = tokens, confidence_logits
+        self._device, self._probs = device, probs
+
+    @property
+    def probs(self) -> np.ndarray:  # [γ, V]
+        return self._device.download(self._probs)[0].astype(np.float32, copy=False)
