@@ -36,6 +36,7 @@ class Stats:
     verified: list[int] = field(default_factory=list)  # ℓ per cycle
     attempts: np.ndarray | None = None  # [γ] cycles in which slot k was verified with 1..k-1 accepted
     accepts: np.ndarray | None = None  # [γ] of those, cycles in which slot k was accepted
+    # verify: the target call and the acceptance rule (on the host or, for some backends, the device)
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                              "decode": 0.0, "total": 0.0})
 

@@ -16,7 +16,7 @@ def accept(xp: Any, drafts: Any, p_d: Any, target_logits: Any, temperature: floa
     n = drafts.shape[0]
     if temperature == 0:
         greedy = target_logits.argmax(-1)  # [ℓ+1]
-        a = xp.cumprod(drafts == greedy[:n]).sum()
+        a = xp.cumprod((drafts == greedy[:n]).astype(xp.int64)).sum()  # accepted while equal to the argmax
         return xp.stack([a, greedy[a]]).astype(xp.int64)
     z = target_logits.astype(xp.float64) / temperature
     z -= z.max(axis=-1, keepdims=True)
@@ -24,7 +24,7 @@ def accept(xp: Any, drafts: Any, p_d: Any, target_logits: Any, temperature: floa
     p_t = e / e.sum(axis=-1, keepdims=True)  # [ℓ+1, V], as sampling.softmax
     k = xp.arange(n)
     ratio = p_t[k, drafts] / xp.maximum(p_d[k, drafts], P_D_FLOOR)
-    a = xp.cumprod(xp.asarray(u_accept) < xp.minimum(1.0, ratio)).sum()  # accepted while u < min(1, p_t/p_d)
+    a = xp.cumprod((xp.asarray(u_accept) < xp.minimum(1.0, ratio)).astype(xp.int64)).sum()  # while u < min(1, p_t/p_d)
     rejected = a < n
     row = xp.minimum(a, max(n - 1, 0))  # the rejected slot (ignored when every draft was accepted)
     r = xp.maximum(p_t[a] - p_d[row], 0.0) if n else p_t[a]
