@@ -141,3 +141,30 @@ def test_tensorrt_backend_refuses_to_open_here(bundle, fake_trt, capsys, monkeyp
     rc = main(["generate", "--bundle", str(bundle), "--backend", "tensorrt", "--prompt", "Hi"])
     err = capsys.readouterr().err
     assert rc == 2 and "tensorrt package is not installed" in err and "Traceback" not in err
+
+
+LEAN = """
+import importlib.abc, json, sys
+BLOCKED, attempts = ("torch", "tensorrt", "cupy", "polygraphy"), []
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            attempts.append(name)
+            raise ImportError(f"{name} is blocked")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import dspark.runtime.trt.backend, dspark.runtime.trt.build, dspark.runtime.gpu.graph_backend
+import dspark.runtime.gpu.cupy_device, dspark.runtime.validate, dspark.runtime.cli
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED) + attempts))
+"""
+
+
+def test_gpu_modules_import_without_gpu_packages():
+    import subprocess
+    import textwrap
+
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(LEAN)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == []

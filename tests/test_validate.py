@@ -65,3 +65,10 @@ def test_validate_refuses_bad_requests(tiny_bundle, capsys, tmp_path):
     assert rc == 2 and "is not the one bundle" in capsys.readouterr().err
     with pytest.raises(InputError):
         open_backend("tensorrt-but-typo", tiny_bundle.path, Manifest.load(tiny_bundle.path), None)
+    import torch
+
+    if not torch.cuda.is_available():
+        rc = main(["validate", "--bundle", str(tiny_bundle.path), "--backend", "torch-cuda-graph", "--target",
+                   str(tiny_bundle.target_dir), "--drafter", str(tiny_bundle.drafter_dir)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "sees no CUDA device" in err and "Traceback" not in err
