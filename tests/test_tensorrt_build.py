@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import fake_tensorrt
+from factories import import_blocker
 from dspark.runtime import BackendError, BundleError, Engine, InputError
 from dspark.runtime.cli import main
 from dspark.runtime.gpu.cupy_device import GpuInfo
@@ -143,18 +144,7 @@ def test_tensorrt_backend_refuses_to_open_here(bundle, fake_trt, capsys, monkeyp
     assert rc == 2 and "tensorrt package is not installed" in err and "Traceback" not in err
 
 
-LEAN = """
-import importlib.abc, json, sys
-BLOCKED, attempts = ("torch", "tensorrt", "cupy", "polygraphy"), []
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            attempts.append(name)
-            raise ImportError(f"{name} is blocked")
-        return None
-
-sys.meta_path.insert(0, Blocker())
+LEAN = import_blocker("torch", "tensorrt", "cupy", "polygraphy") + """
 import dspark.runtime.trt.backend, dspark.runtime.trt.build, dspark.runtime.gpu.graph_backend
 import dspark.runtime.gpu.cupy_device, dspark.runtime.validate, dspark.runtime.cli
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED) + attempts))
