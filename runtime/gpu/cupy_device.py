@@ -63,6 +63,13 @@ class CupyDevice:
             "raw T cache", _WRITE_ROWS, "dspark_write_rows")
         self._graphs: list[Any] = []  # keep every captured graph alive
 
+    @property
+    def stream_handle(self) -> int:
+        return self.stream.ptr
+
+    def address(self, array: Any) -> int:
+        return array.data.ptr
+
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         with self.stream:
             return self.cp.zeros(shape, dtype)

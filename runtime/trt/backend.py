@@ -10,16 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import BackendError, BundleError, InputError
 from ..gpu.buckets import Buckets
-from ..gpu.cupy_device import CupyDevice
-from ..gpu.device import Outputs
+from ..gpu.cupy_device import CupyDevice, GpuInfo
+from ..gpu.device import Device, Outputs
 from ..gpu.graph_backend import GraphBackend
 from ..manifest import Manifest
 from .meta import check_compatible, engine_meta, rebuild_command
 from .profiles import EngineShapes, profile_index
+
+
+class PointerDevice(Device, Protocol):
+    """A `Device` whose arrays TensorRT can read: raw device addresses and a CUDA stream handle
+    (`CupyDevice`)."""
+
+    info: GpuInfo
+    stream_handle: int
+
+    def address(self, array: Any) -> int:
+        ...
 
 
 def import_tensorrt():
@@ -34,7 +45,7 @@ def import_tensorrt():
 class TrtStep:
     """One engine as a `dspark.runtime.gpu.graph_backend.Step`."""
 
-    def __init__(self, trt, runtime, engine, device: CupyDevice, shapes: EngineShapes, rows_input: str):
+    def __init__(self, trt, runtime, engine, device: PointerDevice, shapes: EngineShapes, rows_input: str):
         self.trt, self.engine, self.device, self.shapes = trt, engine, device, shapes
         self.runtime = runtime  # an engine must not outlive its runtime
         self.rows_input = rows_input  # the rows of a call: dim 1 of this input
@@ -54,10 +65,10 @@ class TrtStep:
         else:
             ctx = e.create_execution_context(strategy.USER_MANAGED)
             if hasattr(ctx, "set_device_memory"):
-                ctx.set_device_memory(self.scratch.data.ptr, self.scratch.nbytes)
+                ctx.set_device_memory(self.device.address(self.scratch), self.scratch.nbytes)
             else:
-                ctx.device_memory = self.scratch.data.ptr
-        if ctx is None or not ctx.set_optimization_profile_async(profile, self.device.stream.ptr):
+                ctx.device_memory = self.device.address(self.scratch)
+        if ctx is None or not ctx.set_optimization_profile_async(profile, self.device.stream_handle):
             raise BackendError(f"TensorRT could not create an execution context on profile {profile} (see its log)")
         return ctx
 
@@ -75,13 +86,13 @@ class TrtStep:
                 raise BundleError(f"engine input {name} is {want}, the runtime holds {arr.dtype}: rebuild the engines")
             if not ctx.set_input_shape(name, tuple(arr.shape)):
                 raise InputError(f"TensorRT rejected shape {tuple(arr.shape)} for {name} (outside the profiles)")
-            ctx.set_tensor_address(name, arr.data.ptr)
+            ctx.set_tensor_address(name, self.device.address(arr))
         outputs = {}
         for name in self.outputs:
             buf = self.device.zeros(tuple(ctx.get_tensor_shape(name)), trt.nptype(self.engine.get_tensor_dtype(name)))
-            ctx.set_tensor_address(name, buf.data.ptr)
+            ctx.set_tensor_address(name, self.device.address(buf))
             outputs[name] = buf
-        stream = self.device.stream.ptr
+        stream = self.device.stream_handle
 
         def launch() -> Outputs:
             if not ctx.execute_async_v3(stream):
@@ -92,11 +103,12 @@ class TrtStep:
 
 
 def tensorrt_backend(bundle: str | Path, manifest: Manifest, max_seq: int | None = None, graphs: bool = True,
-                     speculative: bool = True) -> GraphBackend:
+                     speculative: bool = True, device: PointerDevice | None = None) -> GraphBackend:
+    """device: where the buffers live (default: a `CupyDevice` on the current GPU)."""
     bundle = Path(bundle)
     meta = engine_meta(manifest, bundle)
     trt = import_tensorrt()
-    device = CupyDevice()
+    device = device or CupyDevice()
     shapes = check_compatible(meta, bundle, trt.__version__, device.info.compute, device.info.name)
     if max_seq not in (None, shapes.max_seq):
         raise InputError(f"the engines were built for max_seq {shapes.max_seq} (their KV inputs are that long); "
