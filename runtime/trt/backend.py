@@ -4,8 +4,9 @@ an engine's contexts share one scratch allocation (the stream runs them one at a
 `execute_async_v3` is captured in a CUDA graph after one warm-up enqueue.
 
 Imports without tensorrt; opening it without tensorrt, CuPy or a GPU raises a BackendError.
-NOT EXECUTED in this project's development environment (no GPU, no TensorRT): written
-against the TensorRT 10 Python API documentation and checked by review only."""
+NOT EXECUTED with TensorRT in this project's development environment (no GPU, no TensorRT):
+written against the TensorRT 10 Python API documentation; our side of the calls is run
+against tests/fake_tensorrt.py, a labelled fake, which verifies nothing about TensorRT."""
 from __future__ import annotations
 
 from collections.abc import Callable
