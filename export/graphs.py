@@ -15,6 +15,21 @@ from .layers import rope_cos_sin
 from .target import TargetModel
 
 MASKED = -1e9  # additive mask value for rows that must not be attended
+TARGET_INPUTS = ("input_ids", "positions", "logit_index", "past_mask")  # then past_key_i..., past_value_i...
+DRAFTER_INPUTS = ("features", "positions", "anchor", "temperature", "uniforms", "past_mask", "ctx_mask")
+
+
+def kv_names(prefix: str, layers: int) -> list[str]:
+    """Per-layer K/V tensor names: keys of every layer, then values."""
+    return [f"{prefix}_key_{i}" for i in range(layers)] + [f"{prefix}_value_{i}" for i in range(layers)]
+
+
+def target_outputs(layers: int) -> list[str]:
+    return ["logits", "features", *kv_names("new", layers)]
+
+
+def drafter_outputs(layers: int) -> list[str]:
+    return ["draft_tokens", "draft_probs", "confidence_logits", *kv_names("ctx", layers)]
 
 
 def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, past_mask: torch.Tensor,
@@ -142,12 +157,16 @@ class SequentialStage(nn.Module):
     When every row is greedy, an `If` takes a branch without the softmax and cumulative
     sums over the vocabulary. A module of its own so that profiles can attribute its nodes."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, branch_free: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.branch_free = branch_free  # always the sampled branch (exact for greedy rows too): no host
+        # sync on the condition, so a CUDA graph can capture it
 
     def forward(self, h, base, anchor, temperature, uniforms):
         """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
+        if self.branch_free:
+            return self.sampled(h, base, anchor, temperature, uniforms)
         return torch.cond((temperature <= 0).all(), self.greedy, self.sampled, (h, base, anchor, temperature, uniforms))
 
     def greedy(self, h, base, anchor, temperature, uniforms):
@@ -202,10 +221,10 @@ class DrafterGraph(nn.Module):
     outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V], confidence_logits [B, γ],
              ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, branch_free: bool = False):
         super().__init__()
         self.drafter = drafter
-        self.sequential = SequentialStage(drafter)
+        self.sequential = SequentialStage(drafter, branch_free)
 
     def forward(self, features, positions, anchor, temperature, uniforms, past_mask, ctx_mask, *past):
         d, c = self.drafter, self.drafter.cfg

@@ -25,6 +25,13 @@ class Draft:
 
 
 class Backend(Protocol):
+    """Optional: a backend whose logits live on a device may set `accepts_on_device = True` and
+    provide `verify_on_device(tokens [B, S], starts [B], lengths [B], temperatures [B], uniforms
+    [B, γ+1]) -> (accepted [B], emitted [B], features [B, S, F])`: target() over the rows, then
+    the acceptance rule of dspark.md §1 for row r's first lengths[r] drafts against the last
+    draft(), next to the logits (runtime/gpu/graph_backend.py). The loop then calls it instead
+    of target() + sampling.verify; uniforms are the acceptance draws, then the emitted token's."""
+
     block_size: int  # γ (0: no drafter)
     vocab_size: int
     max_seq: int  # positions available in each slot's preallocated caches

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import Backend
 from .calibration import Calibration
 from .errors import InputError
 from .generate import Request, SamplingParams, Stats, check_requests, generate_batch
@@ -20,6 +21,8 @@ from .scheduler import Scheduler
 from .schedulers import make_scheduler
 from .throughput import SpsTable
 from .tokenizer import ChatTokenizer
+
+BACKENDS = ("onnxruntime", "tensorrt")
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Result:
 
 
 class Engine:
-    def __init__(self, bundle: Path, manifest: Manifest, backend: OrtBackend, tokenizer: ChatTokenizer,
+    def __init__(self, bundle: Path, manifest: Manifest, backend: Backend, tokenizer: ChatTokenizer,
                  sps: SpsTable | None = None, calibration: Calibration | None = None):
         self.bundle, self.manifest, self.backend, self.tokenizer = bundle, manifest, backend, tokenizer
         self.sps, self.calibration = sps, calibration
@@ -46,25 +49,31 @@ class Engine:
              provider: str = "cpu", threads: int | None = None, target_graph: str = "auto",
              drafter_graph: str = "auto", slots: int = 1, read_tables: bool = True) -> "Engine":
         """Validate the bundle's manifest (and, with `read_tables`, its SPS table and calibration
-        when present), open its graphs and preallocate KV for `slots` concurrent requests of
-        `max_seq` positions (default: 2048 or the model's limit, whichever is smaller)."""
+        when present), open its graphs (onnxruntime) or engines (tensorrt, built by `dspark build`)
+        and preallocate KV for `slots` concurrent requests of `max_seq` positions (default: 2048 or
+        the model's limit, whichever is smaller; for tensorrt, what the engines were built for)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
         sps, calibration = None, None
         if read_tables:  # `dspark profile` and `dspark calibrate` rewrite them, corrupt or not
             sps, calibration = SpsTable.load(bundle), Calibration.load(bundle, manifest.drafter.block_size)
-        if backend != "onnxruntime":
-            raise InputError(f"unknown backend {backend!r}; this runtime has: onnxruntime")
+        if backend not in BACKENDS:
+            raise InputError(f"unknown backend {backend!r}; this runtime has: {', '.join(BACKENDS)}")
         limit = manifest.target.max_position_embeddings
-        max_seq = min(2048, limit) if max_seq is None else max_seq
-        if not 1 < max_seq <= limit:
+        if max_seq is not None and not 1 < max_seq <= limit:
             raise InputError(f"max_seq is {max_seq}, expected 2..{limit} (the target's max_position_embeddings)")
         tokenizer = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
         if tokenizer.vocab_size > manifest.target.vocab_size:
             raise InputError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                              f"{manifest.target.vocab_size}")
-        backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph,
-                              drafter_graph=drafter_graph, slots=slots)
+        if backend == "tensorrt":  # KV as long as the engines were built for, unless max_seq says otherwise
+            from .trt.backend import tensorrt_backend
+
+            backend_ = tensorrt_backend(bundle, manifest, max_seq, slots=slots)
+        else:
+            max_seq = min(2048, limit) if max_seq is None else max_seq
+            backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph,
+                                  drafter_graph=drafter_graph, slots=slots)
         return cls(bundle, manifest, backend_, tokenizer, sps, calibration)
 
     def scheduler(self, name: str = "auto", threshold: float = 0.5) -> Scheduler | None:

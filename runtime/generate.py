@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, Draft
 from .errors import InputError
 from .sampling import check_temperature, sample_token, verify
 from .scheduler import History, Scheduler
@@ -45,6 +45,7 @@ class Stats:
     accepts: np.ndarray | None = None  # [γ] of those, cycles in which slot k was accepted
     batch: list[int] = field(default_factory=list)  # requests in the batch, per cycle
     confidences: list[np.ndarray] = field(default_factory=list)  # raw confidence logits [γ] per drafted cycle
+    # seconds in the engine calls; verify includes the acceptance rule only where a backend runs it on its device
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                              "decode": 0.0, "total": 0.0})
 
@@ -210,7 +211,7 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
         features[s, :len(a.ctx)] = a.ctx
     anchors = np.zeros(B, np.int64)
     anchors[rows] = [a.anchor for a in act]
-    temps = np.zeros(B, np.float32)
+    temps = np.zeros(B)  # [B] float64, as the host acceptance rule gets them
     temps[rows] = [a.request.params.temperature for a in act]
     t0 = time.perf_counter()  # the phases time the engine calls; the rest of the cycle is the loop's
     draft = backend.draft(features, counts, starts - counts, anchors, temps, u[:, :gamma])
@@ -225,21 +226,38 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     tokens = np.zeros((B, S), np.int64)  # [B, S] anchor, ℓ_r drafts, then padding
     tokens[rows, 0] = anchors[rows]
     tokens[rows, 1:] = draft.tokens[rows, :S - 1]  # drafts past ℓ_r are padding: never accepted, never committed
+    lengths = np.zeros(B, np.int64)  # [B] ℓ_r; dummy rows verify nothing
+    lengths[rows] = ells
     t2 = time.perf_counter()
-    logits, feats = backend.target(tokens, starts)  # [B, S, V], [B, S, F]
-    t3 = time.perf_counter()
+    if getattr(backend, "accepts_on_device", False):  # the same rule, applied where the logits are
+        accepted, emitted, feats = backend.verify_on_device(tokens, starts, lengths, temps, u[:, gamma:])
+        t3 = time.perf_counter()
+    else:
+        logits, feats = backend.target(tokens, starts)  # [B, S, V], [B, S, F]
+        t3 = time.perf_counter()
+        accepted, emitted = _accept(draft, logits, rows, lengths, temps, u[:, gamma:])
     for i, (s, a) in enumerate(zip(rows, act)):
-        ell = int(ells[i])
-        proposed = draft.tokens[s, :ell]
-        acc, token = verify(proposed, draft.probs[s, :ell], logits[s, :ell + 1], a.request.params.temperature,
-                            u[s, gamma:2 * gamma], u[s, 2 * gamma])
+        ell, acc, token = int(lengths[s]), int(accepted[s]), int(emitted[s])
         a.stats.attempts[:min(acc + 1, ell)] += 1
         a.stats.accepts[:acc] += 1
         a.stats.drafted += 1
         a.stats.confidences.append(conf[i])
         _record(a, ell, acc, R, draft=t1 - t0, verify=t3 - t2)
-        a.commit([int(t) for t in proposed[:acc]] + [token])
+        a.commit([int(t) for t in draft.tokens[s, :acc]] + [token])
         a.ctx, a.start, a.anchor = feats[s, :acc + 1], a.start + acc + 1, token
+
+
+def _accept(draft: Draft, logits: np.ndarray, rows: list[int], lengths: np.ndarray, temps: np.ndarray,
+            u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The acceptance rule on the host for the busy rows: logits [B, S, V], u [B, γ+1] (acceptance
+    draws, then the emitted token's draw) -> accepted drafts [B] and the emitted token [B]."""
+    gamma = u.shape[1] - 1
+    accepted, emitted = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
+    for s in rows:
+        ell = lengths[s]
+        accepted[s], emitted[s] = verify(draft.tokens[s, :ell], draft.probs[s, :ell], logits[s, :ell + 1],
+                                         float(temps[s]), u[s, :gamma], u[s, gamma])
+    return accepted, emitted
 
 
 def _record(a: _Active, ell: int, accepted: int, batch: int, **times: float) -> None:

@@ -144,12 +144,13 @@ class OrtBackend:
             self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
                                         self.target_kv, names, expect)
         self._drafter = None
+        self.drafter_int8 = False
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
-            int8 = "drafter_ort" in manifest.graphs and (
+            self.drafter_int8 = "drafter_ort" in manifest.graphs and (
                 drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu"))
-            drafter = "drafter_ort" if int8 else "drafter"
+            drafter = "drafter_ort" if self.drafter_int8 else "drafter"
             self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
                                    self.draft_kv, names,
                                    {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "draft_probs": {2: d.vocab_size},
@@ -188,7 +189,19 @@ class OrtBackend:
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
               temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
-        return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
+        if not self.drafter_int8 or len(counts) == 1:
+            return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
+        # The int8 graph quantizes activations with one scale per call, so one call over several
+        # rows would make a request's proposals depend on its neighbours: each busy row drafts
+        # alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
+        busy = [int(r) for r in np.flatnonzero(counts)]
+        rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
+                                   anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1]) for r in busy}
+        first = rows[busy[0]]
+        out = [np.zeros((len(counts), *a.shape[1:]), a.dtype) for a in (first.tokens, first.probs, first.confidence_logits)]
+        for r, d in rows.items():
+            out[0][r], out[1][r], out[2][r] = d.tokens[0], d.probs[0], d.confidence_logits[0]
+        return Draft(*out)  # [B, γ], [B, γ, V], [B, γ]
 
     def _run_draft(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
                    anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:

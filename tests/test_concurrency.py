@@ -71,7 +71,7 @@ def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
 
     solo_engine, _ = engines
     manifest = Manifest.load(tiny_bundle.path)
-    ob = OrtBackend(tiny_bundle.path, manifest, MAX_SEQ, target_graph=graph, slots=2)
+    ob = OrtBackend(tiny_bundle.path, manifest, MAX_SEQ, target_graph=graph, drafter_graph="fp32", slots=2)
     tb = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, MAX_SEQ, slots=2)
     ids = [np.asarray(solo_engine.encode(p), np.int64) for p in PROMPTS[:2]]
     feats = []
@@ -112,8 +112,11 @@ def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
 
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
 def test_sampled_batch_follows_each_requests_rng(engines, scheduler):
-    """Schedulers that decide per request give the very tokens of a solo run with the same seed."""
+    """Schedulers that decide per request give the very tokens of a solo run with the same seed,
+    also with the int8 drafter (the CPU default), whose per-call activation scale would couple
+    the rows of one batched call: it drafts row by row."""
     solo_engine, batch_engine = engines
+    assert batch_engine.backend.drafter_int8 and solo_engine.backend.drafter_int8
     batch = batch_engine.generate_batch(PROMPTS, max_new_tokens=30, temperature=1.0, seeds=[7, 8, 9, 10, 11],
                                         scheduler=scheduler)
     for prompt, seed, got in zip(PROMPTS, [7, 8, 9, 10, 11], batch):

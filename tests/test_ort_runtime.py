@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from factories import reference_logits
+from factories import import_blocker, reference_logits
 
 from dspark.export import TorchBackend
 from dspark.runtime import Engine, FixedLength, SamplingParams, StaticThreshold, generate
@@ -173,18 +173,7 @@ def test_messages_and_raw_prompts(tiny_bundle, engine):
 
 # --- the lean runtime ------------------------------------------------------------------------------
 
-LEAN = """
-import importlib.abc, json, sys
-BLOCKED, attempts = ("torch", "transformers"), []
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            attempts.append(name)
-            raise ImportError(f"{name} is blocked: the runtime must not need it")
-        return None
-
-sys.meta_path.insert(0, Blocker())
+LEAN = import_blocker("torch", "transformers") + """
 import dspark.runtime
 from dspark.runtime import Engine
 from dspark.runtime.cli import main
