@@ -15,6 +15,21 @@ from .layers import rope_cos_sin
 from .target import TargetModel
 
 MASKED = -1e9  # additive mask value for rows that must not be attended
+TARGET_INPUTS = ("input_ids", "positions", "logit_index", "past_mask")  # then past_key_i..., past_value_i...
+DRAFTER_INPUTS = ("features", "positions", "anchor", "temperature", "uniforms", "past_mask", "ctx_mask")
+
+
+def kv_names(prefix: str, layers: int) -> list[str]:
+    """Per-layer K/V tensor names: keys of every layer, then values."""
+    return [f"{prefix}_key_{i}" for i in range(layers)] + [f"{prefix}_value_{i}" for i in range(layers)]
+
+
+def target_outputs(layers: int) -> list[str]:
+    return ["logits", "features", *kv_names("new", layers)]
+
+
+def drafter_outputs(layers: int) -> list[str]:
+    return ["draft_tokens", "draft_probs", "confidence_logits", *kv_names("ctx", layers)]
 
 
 def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, past_mask: torch.Tensor,
@@ -22,7 +37,7 @@ def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
     """softmax over [past ; new] keys without concatenating K/V.
 
     q [B, H, S, D]; k_past/v_past [B, Hkv, P, D]; past_mask [B, P]; k_new/v_new [B, Hkv, N, D];
-    new_mask [S, N] additive or None. Returns [B, H, S, D]."""
+    new_mask [B, N] additive (the same for every query) or None. Returns [B, H, S, D]."""
     B, H, S, D = q.shape
     Hkv = k_new.shape[1]
     rep = H // Hkv
@@ -31,7 +46,7 @@ def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
     s_past = qg @ k_past.transpose(-1, -2) * scale + past_mask[:, None, None, :]  # [B, Hkv, rep*S, P]
     s_new = qg @ k_new.transpose(-1, -2) * scale  # [B, Hkv, rep*S, N]
     if new_mask is not None:
-        s_new = s_new + new_mask.repeat(rep, 1)  # [rep*S, N]
+        s_new = s_new + new_mask[:, None, None, :]
     P = k_past.shape[2]
     p = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1)
     out = p[..., :P] @ v_past + p[..., P:] @ v_new  # [B, Hkv, rep*S, D]
@@ -142,12 +157,16 @@ class SequentialStage(nn.Module):
     When every row is greedy, an `If` takes a branch without the softmax and cumulative
     sums over the vocabulary. A module of its own so that profiles can attribute its nodes."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, branch_free: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.branch_free = branch_free  # always the sampled branch (exact for greedy rows too): no host
+        # sync on the condition, so a CUDA graph can capture it
 
     def forward(self, h, base, anchor, temperature, uniforms):
         """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
+        if self.branch_free:
+            return self.sampled(h, base, anchor, temperature, uniforms)
         return torch.cond((temperature <= 0).all(), self.greedy, self.sampled, (h, base, anchor, temperature, uniforms))
 
     def greedy(self, h, base, anchor, temperature, uniforms):
@@ -197,16 +216,17 @@ class DrafterGraph(nn.Module):
     inputs:  features [B, n, m*d] raw context rows (positions ctx_start..start-1),
              positions [B, n+γ] int64 (context rows, then the block), anchor [B] int64,
              temperature [B] f32 (0 = argmax), uniforms [B, γ] f32, past_mask [B, P] f32,
-             past_key_i / past_value_i [B, Hkv, S_max, D]
+             ctx_mask [B, n] f32 (additive: rows of requests with fewer than n new context
+             rows are padding the block must not read), past_key_i / past_value_i [B, Hkv, S_max, D]
     outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V], confidence_logits [B, γ],
              ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, branch_free: bool = False):
         super().__init__()
         self.drafter = drafter
-        self.sequential = SequentialStage(drafter)
+        self.sequential = SequentialStage(drafter, branch_free)
 
-    def forward(self, features, positions, anchor, temperature, uniforms, past_mask, *past):
+    def forward(self, features, positions, anchor, temperature, uniforms, past_mask, ctx_mask, *past):
         d, c = self.drafter, self.drafter.cfg
         L, gamma = c.num_layers, c.block_size
         P = past_mask.shape[1]
@@ -217,6 +237,7 @@ class DrafterGraph(nn.Module):
         x = d.embed_tokens(block)  # [B, γ, d]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, 1, n+γ, D]
         ccos, csin, bcos, bsin = cos[:, :, :n], sin[:, :, :n], cos[:, :, n:], sin[:, :, n:]
+        new_mask = torch.cat([ctx_mask, torch.zeros_like(ctx_mask[:, :1]).expand(B, gamma)], 1)  # [B, n+γ]
         ctx_kv = []
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
@@ -225,7 +246,7 @@ class DrafterGraph(nn.Module):
             bk, bv = attn.key_value(h, bcos, bsin)
             q = attn.query(h, bcos, bsin)
             o = split_attention(q, past[i][:, :, :P], past[L + i][:, :, :P], past_mask,
-                                torch.cat([ck, bk], 2), torch.cat([cv, bv], 2), None)
+                                torch.cat([ck, bk], 2), torch.cat([cv, bv], 2), new_mask)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, gamma, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ctx_kv += [ck, cv]

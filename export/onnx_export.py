@@ -9,15 +9,11 @@ import onnx
 import torch
 
 from .drafter import Drafter
-from .graphs import DrafterGraph, TargetGraph
+from .graphs import DRAFTER_INPUTS, TARGET_INPUTS, DrafterGraph, TargetGraph, drafter_outputs, kv_names, target_outputs
 from .target import TargetModel
 
 OPSET = 18
 _B, _S, _P, _SMAX, _K = 2, 3, 5, 16, 2
-
-
-def _kv_names(prefix: str, layers: int) -> list[str]:
-    return [f"{prefix}_key_{i}" for i in range(layers)] + [f"{prefix}_value_{i}" for i in range(layers)]
 
 
 def _save(program, path: Path) -> None:
@@ -34,8 +30,8 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
     args = (torch.zeros(_B, _S, dtype=torch.long), torch.arange(_P, _P + _S).expand(_B, _S).contiguous(),
             torch.zeros(_B, _K, dtype=torch.long), torch.zeros(_B, _P), *kv)
-    inputs = ["input_ids", "positions", "logit_index", "past_mask", *_kv_names("past", L)]
-    outputs = ["logits", "features", *_kv_names("new", L)]
+    inputs = [*TARGET_INPUTS, *kv_names("past", L)]
+    outputs = target_outputs(L)
     b, s, p, smax, k = (torch.export.Dim(n, min=1, max=m) for n, m in
                         (("batch", 256), ("query", 4096), ("past", 65536), ("max_seq", 65536), ("rows", 4096)))
     shapes = ({0: b, 1: s}, {0: b, 1: s}, {0: b, 1: k}, {0: b, 1: p}, tuple({0: b, 2: smax} for _ in kv))
@@ -51,12 +47,13 @@ def export_drafter(drafter: Drafter, path: Path) -> list[str]:
     L, gamma = c.num_layers, c.block_size
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
     args = (torch.zeros(_B, _S, c.feature_dim), torch.arange(_P, _P + _S + gamma).expand(_B, -1).contiguous(),
-            torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P), *kv)
-    inputs = ["features", "positions", "anchor", "temperature", "uniforms", "past_mask", *_kv_names("past", L)]
-    outputs = ["draft_tokens", "draft_probs", "confidence_logits", *_kv_names("ctx", L)]
+            torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P),
+            torch.zeros(_B, _S), *kv)
+    inputs = [*DRAFTER_INPUTS, *kv_names("past", L)]
+    outputs = drafter_outputs(L)
     b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
-    shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p},
+    shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
               tuple({0: b, 2: smax} for _ in kv))
     program = torch.onnx.export(DrafterGraph(drafter).eval(), args, input_names=inputs, output_names=outputs,
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,

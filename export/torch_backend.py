@@ -1,5 +1,7 @@
 """The PyTorch reference models as a `dspark.runtime.backend.Backend`: the yardstick
-the exported engines are compared with, driven by the same decoding loop."""
+the exported engines are compared with, driven by the same decoding loop. Each slot has
+its own batch-1 cache and draft session and rows run one after the other, so a row's
+result cannot depend on the others by construction."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,27 +14,46 @@ from .target import TargetModel
 
 
 class TorchBackend:
-    def __init__(self, target: TargetModel, drafter: Drafter | None, max_seq: int = 2048):
+    def __init__(self, target: TargetModel, drafter: Drafter | None, max_seq: int = 2048, slots: int = 1):
         if drafter is not None:
             drafter.cfg.check_against(target.cfg)
         self.model = target.eval()
-        self.cache = target.new_cache(1, max_seq)
-        self.session = DraftSession(drafter, max_seq) if drafter is not None else None
+        self.caches = [target.new_cache(1, max_seq) for _ in range(slots)]
+        self.sessions = [DraftSession(drafter, max_seq) for _ in range(slots)] if drafter is not None else []
         self.feature_ids = drafter.cfg.target_layer_ids if drafter is not None else ()
         self.block_size = drafter.cfg.block_size if drafter is not None else 0
         self.vocab_size = target.cfg.vocab_size
         self.max_seq = max_seq
+        self.slots = slots
 
     @torch.inference_mode()
-    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    def _row(self, slot: int, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # [1, S]
         pos = torch.arange(start, start + ids.shape[1])[None]  # [1, S]
-        logits, feats = self.model(ids, pos, self.cache, self.feature_ids)
+        logits, feats = self.model(ids, pos, self.caches[slot], self.feature_ids)
         feats_np = feats[0].float().numpy() if feats is not None else np.zeros((ids.shape[1], 0), np.float32)
-        return logits[0, -logit_rows:].float().numpy(), feats_np
+        return logits[0].float().numpy(), feats_np  # [S, V], [S, F]
 
-    def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
-              temperature: float, uniforms: np.ndarray) -> Draft:
-        self.session.cache_len = ctx_start  # drop anything drafted past the committed context
-        r = self.session.draft(features, anchor, start, temperature, uniforms=uniforms)
-        return Draft(r.tokens, r.probs, r.confidence_logits)
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
+        logits, feats = self._row(slot, tokens, 0)
+        n = len(tokens)
+        if ingest:
+            self.sessions[slot].cache_len = 0
+            if n > 1:  # context rows 0..n-2; the block drafted here is discarded
+                self.sessions[slot].draft(feats[:n - 1], 0, n - 1, 0.0)
+        return logits[-1], feats[n - 1:]
+
+    def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = [self._row(r, tokens[r], int(starts[r])) for r in range(len(tokens))]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
+              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+        out = []
+        for r in range(len(anchors)):
+            session = self.sessions[r]
+            session.cache_len = int(ctx_starts[r])  # drop anything drafted past the committed context
+            out.append(session.draft(features[r, :counts[r]], int(anchors[r]), int(ctx_starts[r] + counts[r]),
+                                     float(temperatures[r]), uniforms=uniforms[r]))
+        return Draft(np.stack([d.tokens for d in out]), np.stack([d.probs for d in out]),
+                     np.stack([d.confidence_logits for d in out]))

@@ -1,10 +1,14 @@
 """dspark.runtime: the lean runtime (numpy + an engine backend; never torch)."""
-from .errors import BundleError, CheckpointError, ConfigError, DSparkError, InputError
-from .generate import Generation, SamplingParams, Stats, generate
+from .errors import BackendError, BundleError, CheckpointError, ConfigError, DSparkError, InputError
+from .calibration import Calibration
+from .generate import Generation, Request, SamplingParams, Stats, generate, generate_batch
+from .prefix import AsyncPrefixScheduler, PrefixScheduler
 from .scheduler import FixedLength, StaticThreshold
+from .throughput import CostModel, SpsTable
 
-__all__ = ["BundleError", "CheckpointError", "ConfigError", "DSparkError", "InputError", "Generation",
-           "SamplingParams", "Stats", "generate", "FixedLength", "StaticThreshold", "Engine", "Result"]
+__all__ = ["BackendError", "BundleError", "CheckpointError", "ConfigError", "DSparkError", "InputError", "Generation",
+           "Request", "SamplingParams", "Stats", "generate", "generate_batch", "FixedLength", "StaticThreshold",
+           "PrefixScheduler", "AsyncPrefixScheduler", "Calibration", "CostModel", "SpsTable", "Engine", "Result"]
 
 
 def __getattr__(name: str):

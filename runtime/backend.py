@@ -1,8 +1,14 @@
 """What the decoding loop needs from an engine. A backend runs the target and the
-drafter for one sequence; the loop owns everything else (sampling, acceptance,
-scheduling, stopping). Lengths are implied by positions: rows written at or above
-a position that the loop later passes as `start` are simply overwritten, so rolling
-back rejected tokens costs nothing."""
+drafter over R request slots, each with its own preallocated KV rows; the loop owns
+everything else (sampling, acceptance, scheduling, stopping, which request sits in
+which slot). A batched call covers slots 0..B-1 (B = 1 + the highest busy slot; a free
+slot below it rides along as a dummy row).
+
+Lengths are implied by positions: rows written at or above a position that the loop
+later passes as a start are simply overwritten, so rolling back rejected tokens, and
+the right-padding of rows shorter than the batch, cost nothing. Padding exists because
+the engines run static shapes (ONNX Runtime, TensorRT): a verification batch of R rows
+with ℓ_r drafts each costs R·(1 + max ℓ) tokens, not Σ(1 + ℓ_r)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,25 +19,42 @@ import numpy as np
 
 @dataclass
 class Draft:
-    tokens: np.ndarray  # [γ] int64
-    probs: np.ndarray  # [γ, V] the distributions the tokens were drawn from (one-hot at T = 0)
-    confidence_logits: np.ndarray  # [γ] raw confidence logits (zeros without a head)
+    tokens: np.ndarray  # [B, γ] int64
+    probs: np.ndarray  # [B, γ, V] the distributions the tokens were drawn from (one-hot at T = 0)
+    confidence_logits: np.ndarray  # [B, γ] raw confidence logits (zeros without a head)
 
 
 class Backend(Protocol):
-    block_size: int  # γ
-    vocab_size: int
-    max_seq: int  # positions available in the preallocated caches
+    """Optional: a backend whose logits live on a device may set `accepts_on_device = True` and
+    provide `verify_on_device(tokens [B, S], starts [B], lengths [B], temperatures [B], uniforms
+    [B, γ+1]) -> (accepted [B], emitted [B], features [B, S, F])`: target() over the rows, then
+    the acceptance rule of dspark.md §1 for row r's first lengths[r] drafts against the last
+    draft(), next to the logits (runtime/gpu/graph_backend.py). The loop then calls it instead
+    of target() + sampling.verify; uniforms are the acceptance draws, then the emitted token's."""
 
-    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run the target over tokens [S] at positions start..start+S-1, given committed
-        KV for [0, start). Returns the logits of the last `logit_rows` rows [logit_rows, V]
-        (fp32) and the context features of every row [S, F]."""
+    block_size: int  # γ (0: no drafter)
+    vocab_size: int
+    max_seq: int  # positions available in each slot's preallocated caches
+    slots: int  # R: requests served at once
+
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A new request's prompt tokens [n] at positions 0..n-1 of `slot`. With `ingest`,
+        also feeds the drafter's context cache with positions 0..n-2, so that the first
+        drafting round has one context row like every later one. Returns the last row's
+        logits [V] (fp32) and features [1, F]."""
         ...
 
-    def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
-              temperature: float, uniforms: np.ndarray) -> Draft:
-        """One drafting round: features [start - ctx_start, F] are the raw target features
-        of positions ctx_start..start-1 (draft-side KV for [0, ctx_start) is cached);
-        the block is the anchor at `start` plus γ-1 masks; uniforms [γ] drive sampling."""
+    def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Run the target over tokens [B, S], row r at positions starts[r]..starts[r]+S-1 of
+        slot r, given committed KV for [0, starts[r]). Returns logits [B, S, V] and the
+        context features [B, S, F] of every row."""
+        ...
+
+    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
+              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+        """One drafting round for slots 0..B-1. Row r: features[r, :counts[r]] [B, n, F] are the
+        raw target features of positions ctx_starts[r]..start_r-1 (start_r = ctx_starts[r] +
+        counts[r]; rows past counts[r] are padding); draft-side KV for [0, ctx_starts[r]) is
+        cached. The block is anchors[r] at start_r plus γ-1 masks; uniforms [B, γ] drive
+        sampling at temperatures [B]."""
         ...

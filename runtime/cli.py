@@ -5,14 +5,20 @@
     dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
     dspark chat --bundle engines/smollm2
     dspark bench --bundle engines/smollm2 --bundle engines/smollm2-dflash   # Table 1 + Figure 2
+    dspark profile --bundle engines/smollm2                   # SPS table for the prefix scheduler
+    dspark calibrate --bundle engines/smollm2                 # confidence calibration (STS)
+    dspark build --bundle engines/smollm2 --backend tensorrt     # TensorRT engines (GPU + tensorrt)
+    dspark validate --bundle engines/smollm2 --backend ort-portable   # a backend vs ONNX Runtime
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import warnings
 
 from .errors import DSparkError
+from .schedulers import NAMES
 
 EPILOG = """examples:
   dspark export --out engines/smollm2
@@ -21,29 +27,29 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
   dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash
+  dspark profile --bundle engines/smollm2 --max-slots 32
+  dspark calibrate --bundle engines/smollm2 --prompts 200
+  dspark build --bundle engines/smollm2 --backend tensorrt --precision fp32 --max-seq 2048
+  dspark generate --bundle engines/smollm2 --backend tensorrt --prompt "Hi"
+  dspark validate --bundle engines/smollm2 --backend tensorrt
 """
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
-    p.add_argument("--backend", default="onnxruntime", help="engine backend (default: onnxruntime)")
-    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
-    p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
-                   help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
-                        "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
-    p.add_argument("--drafter-graph", default="auto", choices=["auto", "int8", "fp32"],
-                   help="drafter graph: int8 = matmuls dynamically quantized (about 2x faster drafting on CPU; "
-                        "output unchanged: acceptance corrects any proposal), fp32 = as exported; auto = int8 "
-                        "on the CPU provider")
+    _add_device_args(p)
+    p.add_argument("--backend", default="onnxruntime",
+                   help="engine backend: onnxruntime (default) or tensorrt (engines from `dspark build`, needs a GPU)")
     p.add_argument("--max-seq", type=int, default=None,
                    help="positions preallocated in the KV buffers (default: 2048 or the model's limit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
-    p.add_argument("--scheduler", default="fixed", choices=["fixed", "threshold", "none"],
-                   help="verification length: fixed = all γ drafts (default), threshold = up to the first "
-                        "confidence below --threshold, none = the target alone")
+    p.add_argument("--scheduler", default="auto", choices=list(NAMES),
+                   help="verification length: auto (default) = prefix when the bundle has an SPS table and a "
+                        "calibration, else fixed with a warning; fixed = all γ drafts; threshold = up to the first "
+                        "raw confidence below --threshold; prefix = Algorithm 1 (dspark.md §5); async = its "
+                        "asynchronous variant; cost = prefix + drafter cost + skipping the drafter when it does "
+                        "not pay; none = the target alone")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
     p.add_argument("--no-speculation", action="store_true", help="decode with the target alone on the same engine")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -99,14 +105,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="folder of the benchmark JSON Lines (default: ../shared/data/bench)")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and acceptance.png (default out/bench)")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: every core)")
+
+    p = sub.add_parser("profile", help="measure SPS(B) and the drafter's cost; store sps.json in the bundle",
+                       description="Measure the target's verification steps per second at B batch tokens (R rows "
+                       "of 1..γ+1 tokens) and the drafter's cost per pass, store them as DIR/sps.json (what the "
+                       "prefix scheduler reads) and draw DIR/sps.png with the per-cycle phase breakdown.")
+    _add_device_args(p)
+    p.add_argument("--max-slots", type=int, default=16, help="largest number of concurrent requests measured")
+    p.add_argument("--context", type=int, default=256, help="committed positions each row attends to (default 256)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per shape; the median counts (default 5)")
+    p.add_argument("--png", default=None, help="plot path (default DIR/sps.png)")
+
+    p = sub.add_parser("calibrate", help="fit the confidence calibration (STS); store calibration.json in the bundle",
+                       description="Decode training prompts (../shared/data/train; never bench) verifying all "
+                       "drafts, fit Sequential Temperature Scaling on one half of the prompts and report ECE and "
+                       "AUC per position on the other half, before and after, with 95%% bootstrap intervals. "
+                       "Writes DIR/calibration.json and a reliability diagram DIR/calibration.png.")
+    _add_device_args(p)
+    p.add_argument("--prompts", type=int, default=200, help="prompts decoded, both halves (default 200)")
+    p.add_argument("--holdout", type=float, default=0.5, help="held-out share of the prompts (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature while logging (default 1)")
+    p.add_argument("--slots", type=int, default=4, help="requests decoded at once (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling, split and decoding seed (default 0)")
+    p.add_argument("--data", action="append", default=None, help="training prompt file (repeatable; default: "
+                   "../shared/data/train/{gsm8k-train,alpaca-seed-tasks}.jsonl)")
+    p.add_argument("--png", default=None, help="reliability diagram path (default DIR/calibration.png)")
+
+    p = sub.add_parser("build", help="engines for a GPU backend from the bundle's ONNX graphs",
+                       description="Build TensorRT engines into the bundle, on the GPU that will run them (needs "
+                       "the tensorrt and cupy packages). Two optimization profiles per engine (prefill chunks; "
+                       "verification of batch 1..--max-batch x 1..γ+1 rows), contexts up to --max-seq; a timing "
+                       "cache reused across builds; engine metadata written into manifest.json.")
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--backend", required=True, choices=["tensorrt"], help="what to build for")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"],
+                   help="fp32 (default) or tf32 on fp32 graphs; fp16/bf16 need graphs exported in that type")
+    p.add_argument("--max-seq", type=int, default=None, help="KV rows and longest context (default: 2048 or the "
+                   "model's limit)")
+    p.add_argument("--max-batch", type=int, default=1, help="largest verification batch (default 1; the TensorRT "
+                   "backend serves one request for now)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call (default 512)")
+    p.add_argument("--timing-cache", default=None, help="timing cache file, reused across builds (default: "
+                   "~/.cache/dspark/tensorrt-<version>-sm<cc>.timing)")
+    p.add_argument("--workspace-gib", type=float, default=8.0, help="builder workspace limit in GiB (default 8)")
+
+    p = sub.add_parser("validate", help="compare a backend's outputs with ONNX Runtime's",
+                       description="Run a backend and ONNX Runtime (CPU, its default graph) on the same inputs: "
+                       "prefill, drafting (greedy and sampled, same uniforms) and verification outputs within "
+                       "the tolerances of the precision, then greedy generations token-identical in the "
+                       "floating-point sense (a split only at a reference top-2 logit gap below 1e-3). Exit 0 when "
+                       "everything passes, 1 when something does not.")
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--backend", required=True, help="onnxruntime, ort-portable (the standard-op target graph), "
+                   "tensorrt, torch (the PyTorch reference) or torch-cuda-graph (the reference as CUDA graphs)")
+    p.add_argument("--target", default=None, help="torch backends: the target the bundle was exported from "
+                   "(default: the default SmolLM2)")
+    p.add_argument("--drafter", default=None, help="torch backends: the drafter checkpoint it was exported with")
+    p.add_argument("--prompt", action="append", default=[], help="a user message (repeatable; default: two built in)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per greedy generation (default 32)")
+    p.add_argument("--max-seq", type=int, default=None, help="KV rows (default 512; tensorrt: the engines')")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return parser
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
+    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
+    p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
+                   help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
+                        "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
+    p.add_argument("--drafter-graph", default="auto", choices=["auto", "int8", "fp32"],
+                   help="drafter graph: int8 = matmuls dynamically quantized (about 2x faster drafting on CPU; "
+                        "output unchanged: acceptance corrects any proposal), fp32 = as exported; auto = int8 "
+                        "on the CPU provider")
+
+
+def _device_kwargs(args) -> dict:
+    return dict(provider=args.provider, threads=args.threads, target_graph=args.target_graph,
+                drafter_graph=args.drafter_graph)
 
 
 def _load(args):
     from .engine import Engine
 
-    return Engine.load(args.bundle, max_seq=args.max_seq, backend=args.backend, provider=args.provider,
-                       threads=args.threads, target_graph=args.target_graph, drafter_graph=args.drafter_graph)
+    return Engine.load(args.bundle, max_seq=args.max_seq, backend=args.backend, **_device_kwargs(args))
 
 
 def _gen_kwargs(args) -> dict:
@@ -195,13 +279,68 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+def cmd_profile(args) -> int:
+    from .profile import ProfileConfig, format_report, profile
+
+    summary = profile(args.bundle, ProfileConfig(args.max_slots, args.context, args.repeats), args.png,
+                      **_device_kwargs(args))
+    print(format_report(summary))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import CalibrateConfig, calibrate, format_report
+
+    cfg = CalibrateConfig(args.prompts, args.holdout, args.max_new_tokens, args.temperature, args.slots, args.seed)
+    print(format_report(calibrate(args.bundle, cfg, args.data, args.png, **_device_kwargs(args))))
+    return 0
+
+
+
+def cmd_build(args) -> int:
+    from .trt.build import build_tensorrt
+
+    meta = build_tensorrt(args.bundle, precision=args.precision, max_seq=args.max_seq, max_batch=args.max_batch,
+                          prefill_chunk=args.prefill_chunk, timing_cache=args.timing_cache,
+                          workspace_gib=args.workspace_gib, log=lambda s: print(s, file=sys.stderr))
+    print(f"wrote {', '.join(meta['engines'].values())} into {args.bundle} (TensorRT {meta['tensorrt_version']}, "
+          f"{meta['gpu_name']}, {meta['precision']})")
+    return 0
+
+
+VALIDATE_PROMPTS = ["What is 17 * 23?", "Write one sentence about the sea."]
+
+
+def cmd_validate(args) -> int:
+    from pathlib import Path
+
+    from .manifest import Manifest
+    from .tokenizer import ChatTokenizer
+    from .validate import open_backend, validate
+
+    bundle = Path(args.bundle)
+    manifest = Manifest.load(bundle)
+    candidate = open_backend(args.backend, bundle, manifest, args.max_seq, args.target, args.drafter)
+    reference = open_backend("onnxruntime", bundle, manifest, candidate.max_seq)
+    tok = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in args.prompt or VALIDATE_PROMPTS]
+    precision = manifest.extra.get("tensorrt", {}).get("precision", "fp32") if args.backend == "tensorrt" else "fp32"
+    report = validate(reference, candidate, prompts, ("onnxruntime", args.backend), precision, args.max_new_tokens,
+                      manifest.stop_token_ids)
+    print(json.dumps(report.to_dict()) if args.json else "\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
+            "profile": cmd_profile, "calibrate": cmd_calibrate, "build": cmd_build, "validate": cmd_validate}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with warnings.catch_warnings():  # one plain line each, e.g. the scheduler's fallback
+            warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
+            return COMMANDS[args.command](args)
     except DSparkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

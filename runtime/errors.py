@@ -22,6 +22,11 @@ class InputError(DSparkError):
     """A request is invalid: prompt too long, bad sampling values, and so on."""
 
 
+class BackendError(DSparkError):
+    """A backend cannot run here: no GPU, a package it needs is missing, an engine was built
+    for another TensorRT version or GPU, or the GPU lacks the requested precision."""
+
+
 def mismatch(what: str, field: str, expected: object, got: object) -> str:
     """One message naming the field and both values."""
     return f"{what}: {field} is {got!r}, expected {expected!r}"

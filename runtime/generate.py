@@ -1,19 +1,25 @@
 """The speculative decoding loop: prefill → draft → schedule → verify → accept → commit.
 
-One loop for every backend (dspark.md §1). Batch 1; the target alone when
+One loop for every backend (dspark.md §1), serving up to `backend.slots` requests at
+once: one drafter pass for all of them, then one target pass in which each verifies its
+own ℓ_r drafts (rows right-padded to 1 + max ℓ). Requests join free slots and leave
+between steps. A request's output does not depend on who else is in the batch: it has
+its own RNG stream (seeded by its SamplingParams), and the scheduler's choice of ℓ_r
+never changes the output distribution (greedy: the tokens). The target alone when
 `scheduler` is None."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, Draft
 from .errors import InputError
 from .sampling import check_temperature, sample_token, verify
-from .scheduler import Scheduler
+from .scheduler import History, Scheduler
 
 
 @dataclass(frozen=True)
@@ -32,10 +38,14 @@ class SamplingParams:
 @dataclass
 class Stats:
     cycles: int = 0
+    drafted: int = 0  # cycles in which the drafter ran
     emitted: list[int] = field(default_factory=list)  # τ per cycle (accepted + emitted token)
     verified: list[int] = field(default_factory=list)  # ℓ per cycle
     attempts: np.ndarray | None = None  # [γ] cycles in which slot k was verified with 1..k-1 accepted
     accepts: np.ndarray | None = None  # [γ] of those, cycles in which slot k was accepted
+    batch: list[int] = field(default_factory=list)  # requests in the batch, per cycle
+    confidences: list[np.ndarray] = field(default_factory=list)  # raw confidence logits [γ] per drafted cycle
+    # seconds in the engine calls; verify includes the acceptance rule only where a backend runs it on its device
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                              "decode": 0.0, "total": 0.0})
 
@@ -54,7 +64,9 @@ class Stats:
         return {
             "tau": self.tau,
             "cycles": self.cycles,
+            "drafted_cycles": self.drafted,
             "mean_verified": float(np.mean(self.verified)) if self.verified else 0.0,
+            "mean_batch": float(np.mean(self.batch)) if self.batch else 0.0,
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_s": new_tokens / self.times["total"] if self.times["total"] > 0 else 0.0,
             "decode_tokens_per_s": (new_tokens - 1) / decode_time if decode_time > 0 else 0.0,
@@ -69,75 +81,189 @@ class Generation:
     finish_reason: str  # "stop" (a stop token) | "stop_string" | "length"
 
 
-def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams,
-             scheduler: Scheduler | None, on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
-    """Decode up to `params.max_new_tokens` tokens after `prompt_ids`.
+@dataclass
+class Request:
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    on_tokens: Callable[[list[int]], bool] | None = None  # each committed chunk; True ends the request
 
-    `on_tokens` receives each committed chunk; returning True ends decoding (stop strings)."""
-    n, gamma, T = len(prompt_ids), backend.block_size, params.temperature
-    if n == 0:
-        raise InputError("the prompt is empty")
-    need = n + params.max_new_tokens + gamma + 1
-    if need > backend.max_seq:
-        raise InputError(f"prompt of {n} tokens + max_new_tokens {params.max_new_tokens} + block {gamma + 1} "
-                         f"= {need} exceeds the context of {backend.max_seq} positions")
-    stops = set(params.stop_token_ids)
-    rng = np.random.default_rng(params.seed)
-    stats = Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64))
-    out: list[int] = []
-    reason = ""
-    t_start = time.perf_counter()
 
-    def commit(tokens: list[int]) -> bool:
-        """Append tokens up to the first stop token or the budget; True when decoding ends."""
-        keep, done = [], False
+@dataclass
+class _Active:
+    """The decoding state of one request in its slot."""
+
+    index: int  # position in the request list
+    request: Request
+    rng: np.random.Generator
+    stats: Stats
+    t_join: float
+    anchor: int = 0  # the last emitted token, at position `start`
+    start: int = 0
+    ctx: np.ndarray | None = None  # [start - ctx_start, F] target features not yet fed to the drafter
+    out: list[int] = field(default_factory=list)
+    done: str = ""  # the finish reason once finished
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append tokens up to the first stop token or the budget; set `done` when the request ends."""
+        p = self.request.params
+        keep = []
         for t in tokens:
             keep.append(t)
-            if t in stops or len(out) + len(keep) >= params.max_new_tokens:
-                done = True
+            if t in p.stop_token_ids or len(self.out) + len(keep) >= p.max_new_tokens:
+                self.done = "stop" if t in p.stop_token_ids else "length"
                 break
-        out.extend(keep)
-        if on_tokens is not None and keep and on_tokens(keep):
-            nonlocal reason
-            reason, done = "stop_string", True
-        return done
+        self.out.extend(keep)
+        if self.request.on_tokens is not None and keep and self.request.on_tokens(keep):
+            self.done = "stop_string"
 
-    logits, feats = backend.target(np.asarray(prompt_ids, dtype=np.int64), 0, 1)  # [1, V], [n, F]
-    anchor = sample_token(logits[-1], T, rng.random())
-    stats.times["prefill"] = time.perf_counter() - t_start
-    done = commit([anchor])
-    ctx, ctx_start, start = feats, 0, n  # context rows for positions ctx_start..start-1
 
-    while not done:
-        if scheduler is None:  # the target alone
-            t0 = time.perf_counter()
-            logits, _ = backend.target(np.asarray([anchor], dtype=np.int64), start, 1)
-            anchor = sample_token(logits[0], T, rng.random())
-            start += 1
-            stats.times["decode"] += time.perf_counter() - t0
-            stats.cycles += 1
-            stats.emitted.append(1)
-            stats.verified.append(0)
-            done = commit([anchor])
-            continue
-        u = rng.random(2 * gamma + 1)  # draft draws, acceptance draws, the emitted token's draw
+def generate(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams,
+             scheduler: Scheduler | None, on_tokens: Callable[[list[int]], bool] | None = None) -> Generation:
+    """Decode up to `params.max_new_tokens` tokens after `prompt_ids` (one request).
+
+    `on_tokens` receives each committed chunk; returning True ends decoding (stop strings)."""
+    return generate_batch(backend, [Request(prompt_ids, params, on_tokens)], scheduler)[0]
+
+
+def check_requests(backend: Backend, requests: Sequence[Request]) -> None:
+    """Every request must fit a slot: prompt + budget + one block."""
+    gamma = backend.block_size
+    for r in requests:
+        n, p = len(r.prompt_ids), r.params
+        if n == 0:
+            raise InputError("the prompt is empty")
+        need = n + p.max_new_tokens + gamma + 1
+        if need > backend.max_seq:
+            raise InputError(f"prompt of {n} tokens + max_new_tokens {p.max_new_tokens} + block {gamma + 1} "
+                             f"= {need} exceeds the context of {backend.max_seq} positions")
+
+
+def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Scheduler | None) -> list[Generation]:
+    """Serve `requests`, at most `backend.slots` at a time, in order of arrival; results in the same order."""
+    check_requests(backend, requests)
+    queue = deque(range(len(requests)))
+    slots: list[_Active | None] = [None] * backend.slots
+    results: list[Generation | None] = [None] * len(requests)
+    history = History(deque(maxlen=2))
+    speculative = scheduler is not None
+
+    while queue or any(slots):
+        for s in range(backend.slots):  # join: prefill new requests into free slots
+            if slots[s] is None and queue:
+                slots[s] = _prefill(backend, s, queue.popleft(), requests, speculative)
+        rows = [s for s, a in enumerate(slots) if a is not None and not a.done]
+        if rows:
+            drafting = speculative and scheduler.should_draft(history, len(rows))
+            _step(backend, slots, rows, scheduler if drafting else None, history, speculative)
+        for s, a in enumerate(slots):  # leave: finished requests free their slot
+            if a is not None and a.done:
+                a.stats.times["total"] = time.perf_counter() - a.t_join
+                results[a.index] = Generation(a.out, a.stats, a.done)
+                slots[s] = None
+    return results
+
+
+def _prefill(backend: Backend, slot: int, index: int, requests: Sequence[Request], speculative: bool) -> _Active:
+    req = requests[index]
+    gamma = backend.block_size
+    t0 = time.perf_counter()
+    a = _Active(index, req, np.random.default_rng(req.params.seed),
+                Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64)), t0)
+    logits, feats = backend.prefill(slot, np.asarray(req.prompt_ids, dtype=np.int64), speculative)  # [V], [1, F]
+    a.anchor = sample_token(logits, req.params.temperature, a.rng.random())
+    a.start = len(req.prompt_ids)
+    a.ctx = feats if speculative else None  # the drafter has positions 0..n-2; row n-1 comes next
+    a.stats.times["prefill"] = time.perf_counter() - t0
+    a.commit([a.anchor])
+    return a
+
+
+def _step(backend: Backend, slots: list[_Active | None], rows: list[int], scheduler: Scheduler | None,
+          history: History, speculative: bool) -> None:
+    """One cycle for the requests in `rows` (slot indices): drafted and verified when a scheduler
+    is given, else one target token each (features kept for the drafter when `speculative`)."""
+    B, R, gamma = rows[-1] + 1, len(rows), backend.block_size
+    act = [slots[s] for s in rows]
+    starts = np.zeros(B, np.int64)  # [B] free slots below the last busy one are dummy rows at position 0
+    starts[rows] = [a.start for a in act]
+    if scheduler is None:
+        tokens = np.zeros((B, 1), np.int64)  # [B, 1]
+        tokens[rows, 0] = [a.anchor for a in act]
         t0 = time.perf_counter()
-        draft = backend.draft(ctx, ctx_start, anchor, start, T, u[:gamma])
+        logits, feats = backend.target(tokens, starts)  # [B, 1, V], [B, 1, F]
         t1 = time.perf_counter()
-        ell = min(scheduler.length(draft.confidence_logits), params.max_new_tokens - len(out) - 1)
-        proposed = draft.tokens[:ell]
-        logits, feats = backend.target(np.concatenate([[anchor], proposed]).astype(np.int64), start, ell + 1)
-        t2 = time.perf_counter()
-        a, token = verify(proposed, draft.probs[:ell], logits, T, u[gamma:2 * gamma], u[2 * gamma])
-        stats.times["draft"] += t1 - t0
-        stats.times["verify"] += t2 - t1
-        stats.cycles += 1
-        stats.verified.append(ell)
-        stats.emitted.append(a + 1)
-        stats.attempts[:min(a + 1, ell)] += 1
-        stats.accepts[:a] += 1
-        done = commit([int(t) for t in proposed[:a]] + [token])
-        ctx, ctx_start, start, anchor = feats[:a + 1], start, start + a + 1, token
+        for s, a in zip(rows, act):
+            a.anchor = sample_token(logits[s, 0], a.request.params.temperature, a.rng.random())
+            a.start += 1
+            if speculative:
+                a.ctx = np.concatenate([a.ctx, feats[s]])
+            _record(a, 0, 0, R, decode=t1 - t0)
+            a.commit([a.anchor])
+        history.undrafted += 1
+        return
 
-    stats.times["total"] = time.perf_counter() - t_start
-    return Generation(out, stats, reason or ("stop" if out[-1] in stops else "length"))
+    u = np.zeros((B, 2 * gamma + 1))  # [B, 2γ+1] draft draws, acceptance draws, the emitted token's draw
+    u[rows] = [a.rng.random(2 * gamma + 1) for a in act]
+    counts = np.zeros(B, np.int64)  # [B] new context rows per slot
+    counts[rows] = [len(a.ctx) for a in act]
+    features = np.zeros((B, counts.max(), act[0].ctx.shape[1]), np.float32)  # [B, n, F] right-padded
+    for s, a in zip(rows, act):
+        features[s, :len(a.ctx)] = a.ctx
+    anchors = np.zeros(B, np.int64)
+    anchors[rows] = [a.anchor for a in act]
+    temps = np.zeros(B)  # [B] float64, as the host acceptance rule gets them
+    temps[rows] = [a.request.params.temperature for a in act]
+    t0 = time.perf_counter()  # the phases time the engine calls; the rest of the cycle is the loop's
+    draft = backend.draft(features, counts, starts - counts, anchors, temps, u[:, :gamma])
+    t1 = time.perf_counter()
+
+    conf = draft.confidence_logits[rows]  # [R, γ]
+    caps = np.array([a.request.params.max_new_tokens - len(a.out) - 1 for a in act])  # budget left after the anchor
+    ells = np.minimum(scheduler.lengths(conf, history), caps)  # [R]
+    history.confidences.append(conf)
+    history.undrafted = 0
+    S = 1 + int(ells.max())
+    tokens = np.zeros((B, S), np.int64)  # [B, S] anchor, ℓ_r drafts, then padding
+    tokens[rows, 0] = anchors[rows]
+    tokens[rows, 1:] = draft.tokens[rows, :S - 1]  # drafts past ℓ_r are padding: never accepted, never committed
+    lengths = np.zeros(B, np.int64)  # [B] ℓ_r; dummy rows verify nothing
+    lengths[rows] = ells
+    t2 = time.perf_counter()
+    if getattr(backend, "accepts_on_device", False):  # the same rule, applied where the logits are
+        accepted, emitted, feats = backend.verify_on_device(tokens, starts, lengths, temps, u[:, gamma:])
+        t3 = time.perf_counter()
+    else:
+        logits, feats = backend.target(tokens, starts)  # [B, S, V], [B, S, F]
+        t3 = time.perf_counter()
+        accepted, emitted = _accept(draft, logits, rows, lengths, temps, u[:, gamma:])
+    for i, (s, a) in enumerate(zip(rows, act)):
+        ell, acc, token = int(lengths[s]), int(accepted[s]), int(emitted[s])
+        a.stats.attempts[:min(acc + 1, ell)] += 1
+        a.stats.accepts[:acc] += 1
+        a.stats.drafted += 1
+        a.stats.confidences.append(conf[i])
+        _record(a, ell, acc, R, draft=t1 - t0, verify=t3 - t2)
+        a.commit([int(t) for t in draft.tokens[s, :acc]] + [token])
+        a.ctx, a.start, a.anchor = feats[s, :acc + 1], a.start + acc + 1, token
+
+
+def _accept(draft: Draft, logits: np.ndarray, rows: list[int], lengths: np.ndarray, temps: np.ndarray,
+            u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The acceptance rule on the host for the busy rows: logits [B, S, V], u [B, γ+1] (acceptance
+    draws, then the emitted token's draw) -> accepted drafts [B] and the emitted token [B]."""
+    gamma = u.shape[1] - 1
+    accepted, emitted = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
+    for s in rows:
+        ell = lengths[s]
+        accepted[s], emitted[s] = verify(draft.tokens[s, :ell], draft.probs[s, :ell], logits[s, :ell + 1],
+                                         float(temps[s]), u[s, :gamma], u[s, gamma])
+    return accepted, emitted
+
+
+def _record(a: _Active, ell: int, accepted: int, batch: int, **times: float) -> None:
+    a.stats.cycles += 1
+    a.stats.verified.append(ell)
+    a.stats.emitted.append(accepted + 1)
+    a.stats.batch.append(batch)
+    for k, v in times.items():
+        a.stats.times[k] += v

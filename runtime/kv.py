@@ -1,5 +1,6 @@
-"""Preallocated KV buffers. Sized once at load time; a step writes its new rows at their
-positions and rejected rows are dropped by moving a length, never by copying."""
+"""Preallocated KV buffers. Sized once at load time, one slot per concurrent request; a
+step writes its new rows at their positions and rejected rows are dropped by moving a
+length, never by copying."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +9,12 @@ MASKED = -1e9  # additive attention mask for rows that must not be read
 
 
 class KVBuffers:
-    """Keys and values of every layer: 2·L arrays [B, Hkv, S_max, D], contiguous and
-    pointer-stable (engines bind them once)."""
+    """Keys and values of every layer: 2·L arrays [R, Hkv, S_max, D], contiguous and
+    pointer-stable (engines bind them, or slices of them along R, once)."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_seq: int, head_dim: int,
                  dtype: np.dtype = np.float32):
-        shape = (batch, kv_heads, max_seq, head_dim)
+        shape = (slots, kv_heads, max_seq, head_dim)
         self.keys = [np.zeros(shape, dtype) for _ in range(layers)]
         self.values = [np.zeros(shape, dtype) for _ in range(layers)]
         self.max_seq = max_seq
@@ -23,23 +24,27 @@ class KVBuffers:
         """Keys of every layer, then values: the order of the graphs' past_* inputs."""
         return self.keys + self.values
 
-    def write(self, new_rows: list[np.ndarray], start: int) -> None:
-        """new_rows: keys then values, each [B, Hkv, S, D], for positions start..start+S-1."""
-        n = new_rows[0].shape[2]
+    def write(self, new_rows: list[np.ndarray], starts: np.ndarray, first_slot: int = 0) -> None:
+        """new_rows: keys then values, each [B, Hkv, S, D]; row b goes to slot first_slot+b at
+        positions starts[b]..starts[b]+S-1 (padding past max_seq is dropped: it is never read)."""
+        B, _, S, _ = new_rows[0].shape
+        if B == 1:
+            end = min(int(starts[0]) + S, self.max_seq)
+            for buf, rows in zip(self.arrays, new_rows):
+                buf[first_slot, :, int(starts[0]):end] = rows[0, :, :end - int(starts[0])]
+            return
+        pos = np.minimum(starts[:, None] + np.arange(S), self.max_seq - 1)  # [B, S]
+        slot = np.arange(first_slot, first_slot + B)[:, None]  # [B, 1]
         for buf, rows in zip(self.arrays, new_rows):
-            buf[:, :, start:start + n] = rows
+            buf[slot, :, pos] = rows.transpose(0, 2, 1, 3)  # indexed view is [B, S, Hkv, D]
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
 
-def past_mask(length: int, batch: int = 1) -> np.ndarray:
-    """[B, max(length, 1)] additive mask over the committed rows [0, length).
-
-    Graphs read as many rows as the mask is wide; an empty past is one masked row, so
-    no engine ever sees a zero-size axis."""
-    mask = np.zeros((batch, max(length, 1)), np.float32)
-    if length == 0:
-        mask[:, 0] = MASKED
-    return mask
+def row_mask(lengths: np.ndarray, width: int | None = None) -> np.ndarray:
+    """[B, W] additive mask: row b may read columns [0, lengths[b]). W = max(lengths) unless
+    given, and at least 1, so that no engine ever sees a zero-size axis."""
+    width = max(int(lengths.max()) if width is None else width, 1)
+    return np.where(np.arange(width) < lengths[:, None], 0.0, MASKED).astype(np.float32)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,8 @@ from typing import Any
 from .config import DrafterConfig, TargetConfig
 from .errors import BundleError, ConfigError
 
-BUNDLE_FORMAT = 1  # bumped whenever graphs or manifest change incompatibly
-EXPORTER_VERSION = "0.1.0"
+BUNDLE_FORMAT = 2  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input)
+EXPORTER_VERSION = "0.2.0"
 
 
 @dataclass
@@ -41,7 +42,10 @@ class Manifest:
         return json.dumps(d, indent=2) + "\n"
 
     def save(self, directory: Path) -> None:
-        (directory / "manifest.json").write_text(self.to_json())
+        """Atomically (a build that adds engines rewrites the manifest of a bundle in use)."""
+        tmp = directory / ".manifest.json.tmp"
+        tmp.write_text(self.to_json())
+        os.replace(tmp, directory / "manifest.json")
 
     @classmethod
     def load(cls, directory: str | Path) -> "Manifest":

@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from .backend import Draft
 from .errors import BundleError, InputError
-from .kv import KVBuffers, past_mask
+from .kv import KVBuffers, row_mask
 from .manifest import Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -34,7 +34,8 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 
 class _Graph:
-    """One ONNX Runtime session with its KV buffers bound once. Graphs that write the
+    """One ONNX Runtime session over KV buffers. Each run covers a contiguous range of slots
+    [lo, hi), whose buffer slices are bound once (cached per range). Graphs that write the
     cache in place (present_* outputs) get those outputs bound to the same memory."""
 
     def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str],
@@ -47,20 +48,14 @@ class _Graph:
         except Exception as e:  # onnxruntime raises its own types for corrupt files
             raise BundleError(f"cannot load {path}: {e}") from e
         self._check_shapes(path, kv, expect)
-        self.binding = self.session.io_binding()
-        names = [o.name for o in self.session.get_outputs()]
-        self.outputs = [n for n in names if not n.startswith("present_")]  # fetched each run
-        for name in self.outputs:  # bound first, so they come first in get_outputs()
-            self.binding.bind_output(name, "cpu")
-        for name, buf in zip(past_names, kv.arrays):
-            value = ort.OrtValue.ortvalue_from_numpy(buf)
-            self.binding.bind_ortvalue_input(name, value)
-            if name.replace("past_", "present_") in names:
-                self.binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        self.kv, self.past_names = kv, past_names
+        self.names = [o.name for o in self.session.get_outputs()]
+        self.outputs = [n for n in self.names if not n.startswith("present_")]  # fetched each run
+        self.bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def _check_shapes(self, path: Path, kv: KVBuffers, expect: dict[str, dict[int, int]]) -> None:
-        """The graph must be the model the manifest describes: same number of layers, and the
-        static sizes in `expect` ({input or output name: {axis: size}})."""
+        """The graph must be the model the manifest describes: same number of layers, same
+        inputs, and the static sizes in `expect` ({input or output name: {axis: size}})."""
         io = {t.name: t.shape for t in [*self.session.get_inputs(), *self.session.get_outputs()]}
         graph_layers = sum(1 for n in io if n.startswith("past_key_"))
         if graph_layers != len(kv.keys):
@@ -68,26 +63,43 @@ class _Graph:
                               f"the graph belongs to another model; re-export the bundle")
         for name, axes in expect.items():
             shape = io.get(name)
+            if shape is None:
+                raise BundleError(f"{path} has no input or output {name!r}: it was exported by another exporter "
+                                  f"version; re-export the bundle")
             for axis, size in axes.items():
-                if shape is None or shape[axis] != size:
+                if shape[axis] != size:
                     raise BundleError(f"{path}: {name} has shape {shape}, the manifest implies size {size} on axis "
                                       f"{axis}: the graph belongs to another model; re-export the bundle")
 
-    def run(self, **inputs: np.ndarray) -> list[np.ndarray]:
+    def _binding(self, lo: int, hi: int) -> ort.IOBinding:
+        if (lo, hi) not in self.bindings:
+            binding = self.session.io_binding()
+            for name in self.outputs:  # bound first, so they come first in get_outputs()
+                binding.bind_output(name, "cpu")
+            for name, buf in zip(self.past_names, self.kv.arrays):
+                value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])  # a view: no copy on CPU
+                binding.bind_ortvalue_input(name, value)
+                if name.replace("past_", "present_") in self.names:
+                    binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+            self.bindings[lo, hi] = binding
+        return self.bindings[lo, hi]
+
+    def run(self, lo: int, hi: int, **inputs: np.ndarray) -> list[np.ndarray]:
+        binding = self._binding(lo, hi)
         for name, value in inputs.items():
-            self.binding.bind_cpu_input(name, value)
+            binding.bind_cpu_input(name, value)
         for name in self.outputs:
-            self.binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(self.binding)
-        return [v.numpy() for v in self.binding.get_outputs()[:len(self.outputs)]]
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        return [v.numpy() for v in binding.get_outputs()[:len(self.outputs)]]
 
 
 class OrtBackend:
-    """A `dspark.runtime.backend.Backend` over a bundle's ONNX graphs (batch 1)."""
+    """A `dspark.runtime.backend.Backend` over a bundle's ONNX graphs, `slots` requests at once."""
 
     def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
                  threads: int | None = None, speculative: bool = True, target_graph: str = "auto",
-                 drafter_graph: str = "auto"):
+                 drafter_graph: str = "auto", slots: int = 1):
         """target_graph: "ort" = the ONNX Runtime variant (fused contrib ops, cache written in
         place), "portable" = the standard-op graph TensorRT also reads, "auto" = "ort" on the
         CPU provider when the bundle has it. drafter_graph: "int8" = matmuls dynamically
@@ -107,6 +119,8 @@ class OrtBackend:
             raise BundleError(f"bundle {bundle} has no int8 drafter graph (drafter_ort); re-run `dspark export`")
         if target_graph == "ort" and "target_ort" not in manifest.graphs:
             raise BundleError(f"bundle {bundle} has no ONNX Runtime target graph (target_ort); re-run `dspark export`")
+        if slots < 1:
+            raise InputError(f"slots is {slots}, expected >= 1 (requests served at once)")
         self.in_place = "target_ort" in manifest.graphs and (
             target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
         t, d = manifest.target, manifest.drafter
@@ -114,53 +128,96 @@ class OrtBackend:
         self.block_size = d.block_size if speculative else 0
         self.vocab_size = t.vocab_size
         self.max_seq = max_seq
-        self.target_kv = KVBuffers(L, 1, t.num_kv_heads, max_seq, t.head_dim)
+        self.slots = slots
+        self.target_kv = KVBuffers(L, slots, t.num_kv_heads, max_seq, t.head_dim)
         names = [f"past_key_{i}" for i in range(L)] + [f"past_value_{i}" for i in range(L)]
         kv_shape = {1: t.num_kv_heads, 3: t.head_dim}
+        expect = {names[0]: kv_shape, "logits": {2: t.vocab_size}, "features": {2: d.feature_dim}}
         graph = manifest.graphs["target_ort" if self.in_place else "target"]
-        self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names,
-                              {names[0]: kv_shape, "logits": {2: t.vocab_size}, "features": {2: d.feature_dim}})
+        self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names, expect)
+        # ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens per row
+        # after a past ("batch_size must be 1 when sequence_length > 1 and past context is given"),
+        # so batched verification runs the portable graph, over the same buffers: both store
+        # rotated keys in the same [R, Hkv, S_max, D] layout.
+        self._target_batch = self._target
+        if self.in_place and slots > 1:
+            self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
+                                        self.target_kv, names, expect)
         self._drafter = None
+        self.drafter_int8 = False
         if speculative:
-            self.draft_kv = KVBuffers(d.num_layers, 1, d.num_kv_heads, max_seq, d.head_dim)
+            self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
-            int8 = "drafter_ort" in manifest.graphs and (
+            self.drafter_int8 = "drafter_ort" in manifest.graphs and (
                 drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu"))
-            drafter = "drafter_ort" if int8 else "drafter"
+            drafter = "drafter_ort" if self.drafter_int8 else "drafter"
             self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
                                    self.draft_kv, names,
                                    {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "draft_probs": {2: d.vocab_size},
-                                    "features": {2: d.feature_dim}})
+                                    "features": {2: d.feature_dim}, "ctx_mask": {}})
 
-    def target(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        S = len(tokens)
-        if self.in_place:  # the graph writes K/V rows start..start+S-1 into the bound buffers itself
-            logits, features = self._target.run(
-                input_ids=np.asarray(tokens, np.int64)[None],  # [1, S]
-                logit_index=np.arange(S - logit_rows, S, dtype=np.int64)[None],  # [1, K]
-                seqlens_k=np.array([start + S - 1], np.int32),  # last position written
-                total_len=np.array(start + S, np.int32),
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
+        n = len(tokens)
+        logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], np.zeros(1, np.int64),
+                                            np.array([[n - 1]], np.int64))
+        if ingest and n > 1:  # context rows 0..n-2; the block drafted here is discarded
+            self._run_draft(slot, features[:, :n - 1], np.array([n - 1]), np.zeros(1, np.int64),
+                            np.zeros(1, np.int64), np.zeros(1, np.float32), np.zeros((1, self.block_size)))
+        return logits[0, 0], features[0, n - 1:]
+
+    def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        B, S = tokens.shape
+        return self._run_target(0, tokens, starts, np.tile(np.arange(S, dtype=np.int64), (B, 1)))
+
+    def _run_target(self, lo: int, tokens: np.ndarray, starts: np.ndarray,
+                    logit_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [B, S] for slots lo..lo+B-1 -> logits [B, K, V] of the rows logit_index [B, K], features [B, S, F]."""
+        B, S = tokens.shape
+        if self.in_place and (B == 1 or S == 1):  # writes K/V rows start..start+S-1 of each slot in place
+            return self._target.run(
+                lo, lo + B, input_ids=tokens, logit_index=logit_index,
+                seqlens_k=(starts + S - 1).astype(np.int32),  # [B] last position written
+                total_len=np.array(starts.max() + S, np.int32),
             )
-            return logits[0], features[0]
-        logits, features, *new_kv = self._target.run(
-            input_ids=np.asarray(tokens, np.int64)[None],  # [1, S]
-            positions=np.arange(start, start + S, dtype=np.int64)[None],  # [1, S]
-            logit_index=np.arange(S - logit_rows, S, dtype=np.int64)[None],  # [1, K]
-            past_mask=past_mask(start),  # [1, max(start, 1)]
+        logits, features, *new_kv = self._target_batch.run(
+            lo, lo + B, input_ids=tokens, logit_index=logit_index,
+            positions=starts[:, None] + np.arange(S, dtype=np.int64),  # [B, S]
+            past_mask=row_mask(starts),  # [B, max(starts)]
         )
-        self.target_kv.write(new_kv, start)
-        return logits[0], features[0]
+        self.target_kv.write(new_kv, starts, lo)
+        return logits, features
 
-    def draft(self, features: np.ndarray, ctx_start: int, anchor: int, start: int,
-              temperature: float, uniforms: np.ndarray) -> Draft:
-        gamma = self.block_size
+    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
+              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+        if not self.drafter_int8 or len(counts) == 1:
+            return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
+        # The int8 graph quantizes activations with one scale per call, so one call over several
+        # rows would make a request's proposals depend on its neighbours: each busy row drafts
+        # alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
+        busy = [int(r) for r in np.flatnonzero(counts)]
+        rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
+                                   anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1]) for r in busy}
+        first = rows[busy[0]]
+        out = [np.zeros((len(counts), *a.shape[1:]), a.dtype) for a in (first.tokens, first.probs, first.confidence_logits)]
+        for r, d in rows.items():
+            out[0][r], out[1][r], out[2][r] = d.tokens[0], d.probs[0], d.confidence_logits[0]
+        return Draft(*out)  # [B, γ], [B, γ, V], [B, γ]
+
+    def _run_draft(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
+                   anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+        B, n, _ = features.shape
+        starts = ctx_starts + counts  # [B] block positions start..start+γ-1
+        positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
+                                   axis=1)  # [B, n+γ]
         tokens, probs, conf, *ctx_kv = self._drafter.run(
-            features=np.ascontiguousarray(features, np.float32)[None],  # [1, n, F]
-            positions=np.arange(ctx_start, start + gamma, dtype=np.int64)[None],  # [1, n+γ]
-            anchor=np.array([anchor], np.int64),
-            temperature=np.array([temperature], np.float32),
-            uniforms=np.asarray(uniforms, np.float32)[None],  # [1, γ]
-            past_mask=past_mask(ctx_start),
+            lo, lo + B,
+            features=np.ascontiguousarray(features, np.float32),  # [B, n, F]
+            positions=positions.astype(np.int64),
+            anchor=np.asarray(anchors, np.int64),
+            temperature=np.asarray(temperatures, np.float32),
+            uniforms=np.asarray(uniforms, np.float32),  # [B, γ]
+            past_mask=row_mask(ctx_starts),  # [B, max(ctx_starts)]
+            ctx_mask=row_mask(counts, n),  # [B, n]
         )
-        self.draft_kv.write(ctx_kv, ctx_start)
-        return Draft(tokens[0], probs[0], conf[0])
+        self.draft_kv.write(ctx_kv, ctx_starts, lo)
+        return Draft(tokens, probs, conf)

@@ -219,7 +219,8 @@ def check_lossless(engine, prompt: str, ref: list[int], cand: list[int]) -> dict
 
     ids = engine.encode(prompt)
     seq = np.asarray(ids + ref, np.int64)
-    logits, _ = engine.backend.target(seq, 0, len(ref))  # logits that produced ref[0..]
+    (logits,), _ = engine.backend.target(seq[None], np.zeros(1, np.int64))
+    logits = logits[len(ids) - 1:len(seq) - 1]  # row n-1+i produced ref[i]
     m = greedy_match(ref, cand, logits)
     return {"identical": False, "diverged_at": m.diverged_at, "gap": m.gap, "verdict": str(m)}
 
@@ -572,9 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("dspark") and not captured:
             original = drafter_graph.run
 
-            def capturing(**inputs):
+            def capturing(lo, hi, **inputs):
                 captured.append({k: np.array(v, copy=True) for k, v in inputs.items()})
-                return original(**inputs)
+                return original(lo, hi, **inputs)
 
             drafter_graph.run = capturing
             try:

@@ -149,3 +149,21 @@ def write_tiny_hf_target(directory, seed: int = 0, layers: int = 4):
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return model, tok
+
+
+def import_blocker(*blocked: str) -> str:
+    """Python source that makes importing any of `blocked` (top-level names) fail and records the
+    attempts in `attempts`: the prelude of subprocess checks that a module does without them."""
+    return f"""
+import importlib.abc, json, sys
+BLOCKED, attempts = {blocked!r}, []
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            attempts.append(name)
+            raise ImportError(f"{{name}} is blocked: the runtime must not need it")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+"""

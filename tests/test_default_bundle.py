@@ -87,8 +87,10 @@ def test_target_graph_matches_torch(default_bundle, manifest, smollm2, graph):
     n = len(ids)
 
     def compare(tokens, start, rows, what):
-        lo, fo = ort_be.target(tokens, start, rows)
-        lr, fr = ref.target(tokens, start, rows)
+        starts = np.array([start])
+        (lo,), (fo,) = ort_be.target(tokens[None], starts)
+        (lr,), (fr,) = ref.target(tokens[None], starts)
+        lo, lr = lo[-rows:], lr[-rows:]
         assert lo.shape == lr.shape == (rows, manifest.target.vocab_size)
         err = float(np.abs(lo - lr).max())
         assert err <= LOGIT_TOL, f"{what}: logits differ by {err:.3g}"
@@ -120,18 +122,19 @@ def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperat
     ref = TorchBackend(smollm2.model, drafter, 256)
     ids = np.asarray(chat_ids(smollm2.tokenizer, [{"role": "user", "content": PROMPTS[2]}]), np.int64)
     n, gamma = len(ids), manifest.drafter.block_size
-    logits, feats = ref.target(ids, 0, 1)
+    (logits,), (feats,) = ref.target(ids[None], np.zeros(1, np.int64))
     anchor, rng = int(logits[-1].argmax()), np.random.default_rng(0)
     ctx, ctx_start, start = feats, 0, n
     for round_ in range(2):
-        u = rng.random(gamma)
-        do = ort_be.draft(ctx, ctx_start, anchor, start, temperature, u)
-        dr = ref.draft(ctx, ctx_start, anchor, start, temperature, u)
+        args = (np.array([len(ctx)]), np.array([ctx_start]), np.array([anchor]), np.array([temperature]),
+                rng.random((1, gamma)))
+        do = ort_be.draft(ctx[None], *args)
+        dr = ref.draft(ctx[None], *args)
         assert do.tokens.tolist() == dr.tokens.tolist(), f"round {round_}: draft tokens"
         np.testing.assert_allclose(do.probs, dr.probs, atol=2e-3, err_msg=f"round {round_}: draft probs")
         np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=2e-3)
-        block = np.concatenate([[anchor], dr.tokens]).astype(np.int64)
-        logits, feats = ref.target(block, start, gamma + 1)
+        block = np.concatenate([[anchor], dr.tokens[0]]).astype(np.int64)
+        (logits,), (feats,) = ref.target(block[None], np.array([start]))
         ctx, ctx_start, start, anchor = feats[:2], start, start + 2, int(logits[1].argmax())
 
 
@@ -191,7 +194,7 @@ def test_chat_template_matches_transformers(default_bundle, manifest, smollm2):
 
 def test_no_speculation_gives_the_same_tokens(default_bundle, smollm2, capsys):
     prompt = PROMPTS[1]
-    spec = generate_json(capsys, default_bundle.path, prompt)
+    spec = generate_json(capsys, default_bundle.path, prompt, "--scheduler", "fixed")
     alone = generate_json(capsys, default_bundle.path, prompt, "--no-speculation")
     thr = generate_json(capsys, default_bundle.path, prompt, "--scheduler", "threshold")
     ids = chat_ids(smollm2.tokenizer, [{"role": "user", "content": prompt}])

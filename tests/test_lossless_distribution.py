@@ -28,6 +28,7 @@ accepts would be exercised.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import numpy as np
 import pytest
@@ -37,8 +38,11 @@ from scipy import stats
 
 import dspark.runtime.sampling as sampling
 from dspark.export import DraftSession, TorchBackend
-from dspark.runtime import FixedLength, SamplingParams, StaticThreshold, generate
+from dspark.runtime import (Calibration, FixedLength, Request, SamplingParams, SpsTable, StaticThreshold, generate,
+                            generate_batch)
+from dspark.runtime.schedulers import make_scheduler
 from dspark.runtime.sampling import accept_probability, residual, sample_from, softmax
+from dspark.runtime.scheduler import History
 
 V, GAMMA, K = 5, 2, 3
 MAX_NEW = GAMMA + 2  # the first cycle may verify all γ slots
@@ -148,7 +152,7 @@ def target_joint(tables: Tables) -> np.ndarray:
 
 def scheduled_length(scheduler, table: dict, drafts: tuple, out_len: int, max_new: int) -> int:
     conf = np.array([table[drafts[:k]][1] for k in range(GAMMA)], dtype=np.float32)
-    return min(scheduler.length(conf), max_new - out_len - 1)  # as generate() caps it
+    return min(int(scheduler.lengths(conf[None], History(deque()))[0]), max_new - out_len - 1)  # as generate() caps it
 
 
 def speculative_joint(tables: Tables, rule, scheduler, max_new: int = MAX_NEW) -> tuple[np.ndarray, np.ndarray]:
@@ -357,3 +361,39 @@ def test_chi_square_rejects_a_broken_rule(models, tables, broken, monkeypatch):
     counts, _ = sample_histogram(models, SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue < ALPHA, f"{broken}: chi-square p = {pvalue:.2e}, the broken rule went unnoticed"
+
+
+# ----- four requests at once under the default scheduler -------------------------------------
+
+R4 = 4
+N_R4 = 400  # more than the single-request tests need against the broken rules
+# Padded verification of 4 rows: B = 4·(1 + max ℓ) ∈ {4, 8, 12}; this curve makes Algorithm 1
+# choose every length from 0 to γ (checked below).
+R4_TABLE = SpsTable((1, 1, 1, 1, .95, .93, .9, .88, .87, .87, .87, .87))
+# For `cost`: a drafter pass as dear as 0.8 one-token steps, so the gate skips about 2 steps in 3.
+R4_TABLES = {"auto": R4_TABLE, "async": R4_TABLE, "cost": SpsTable(R4_TABLE.sps, (0.8,) * R4)}
+
+
+@pytest.mark.parametrize("name", list(R4_TABLES))
+def test_four_requests_at_once_match_the_target_distribution(models, tables, name):
+    """Each request's first K tokens, with 4 requests sharing every drafter and verification pass
+    under the default scheduler (`auto`: Algorithm 1 when the bundle has an SPS table and a
+    calibration), its asynchronous variant and the cost-aware one (which also skips the drafter
+    for whole steps), follow the target's distribution."""
+    scheduler = make_scheduler(name, sps=R4_TABLES[name], calibration=Calibration.identity(GAMMA))
+    assert scheduler.name == {"auto": "prefix"}.get(name, name)
+    backend = TorchBackend(*models, max_seq=32, slots=R4)
+    requests = [Request(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=s)) for s in range(N_R4)]
+    gens = generate_batch(backend, requests, scheduler)
+    counts = np.zeros((V,) * K)
+    for g in gens:
+        counts[tuple(g.token_ids[:K])] += 1
+    lengths = [ell for g in gens for ell in g.stats.verified]
+    assert {ell: lengths.count(ell) > 50 for ell in range(GAMMA + 1)} == dict.fromkeys(range(GAMMA + 1), True), (
+        f"verified lengths should vary: {np.bincount(lengths)}")
+    assert max(b for g in gens for b in g.stats.batch) == R4
+    if name == "cost":
+        drafted, cycles = sum(g.stats.drafted for g in gens), sum(g.stats.cycles for g in gens)
+        assert 0.1 * cycles < drafted < 0.9 * cycles, f"{drafted} of {cycles} steps drafted"
+    pvalue = chi_square_pvalue(target_joint(tables), counts)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"

@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from factories import reference_logits
+from factories import import_blocker, reference_logits
 
 from dspark.export import TorchBackend
 from dspark.runtime import Engine, FixedLength, SamplingParams, StaticThreshold, generate
@@ -61,22 +61,28 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
     ref_be = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, 128)
     assert ort_be.block_size == ref_be.block_size == gamma
 
-    lo, fo = ort_be.target(ids, 0, n)  # every prompt row
-    lr, fr = ref_be.target(ids, 0, n)
-    close(lo, lr, "prefill logits")
-    close(fo, fr, "prefill features")
-    assert fo.shape == (n, manifest.drafter.feature_dim)
-    lo1, _ = ort_be.target(ids, 0, 1)  # the loop's call: last row only (rewrites the same KV rows)
-    close(lo1, lr[-1:], "prefill last-row logits")
+    lo, fo = ort_be.target(ids[None], np.zeros(1, np.int64))  # every prompt row
+    lr, fr = ref_be.target(ids[None], np.zeros(1, np.int64))
+    close(lo, lr, "prompt logits")
+    close(fo, fr, "prompt features")
+    assert fo.shape == (1, n, manifest.drafter.feature_dim)
+    lo1, fo1 = ort_be.prefill(0, ids, True)  # the loop's call: last row only (rewrites the same KV rows)
+    lr1, fr1 = ref_be.prefill(0, ids, True)  # and feeds the drafter rows 0..n-2
+    close(lo1, lr[0, -1], "prefill last-row logits")
+    close(lo1, lr1, "prefill logits")
+    close(fo1, fr1, "prefill features")
+    assert fo1.shape == (1, manifest.drafter.feature_dim)
 
     rng = np.random.default_rng(123)
-    anchor, start, ctx_start = int(np.argmax(lr[-1])), n, 0
-    ctx_o, ctx_r = fo, fr  # each backend drafts from its own features, as in the loop
+    anchor, start, ctx_start = int(np.argmax(lr1)), n, n - 1
+    ctx_o, ctx_r = fo1, fr1  # each backend drafts from its own features, as in the loop
     accepted = [1, gamma]  # commit a partial, then a full prefix: both cache cut-backs are exercised
+    one = np.ones(1, np.int64)
     for round_, a in enumerate(accepted):
-        u = rng.random(gamma)
-        do = ort_be.draft(ctx_o, ctx_start, anchor, start, temperature, u)
-        dr = ref_be.draft(ctx_r, ctx_start, anchor, start, temperature, u)
+        u = rng.random((1, gamma))
+        args = (np.array([len(ctx_o)]), np.array([ctx_start]), np.array([anchor]), np.array([temperature]), u)
+        do = ort_be.draft(ctx_o[None], *args)
+        dr = ref_be.draft(ctx_r[None], *args)
         where = f"round {round_} (T={temperature})"
         assert do.tokens.tolist() == dr.tokens.tolist(), f"{where}: draft tokens"
         close(do.probs, dr.probs, f"{where}: draft probs")
@@ -85,14 +91,14 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
         if temperature == 0:  # one-hot at the drafted token
             assert (do.probs.argmax(-1) == do.tokens).all() and (do.probs.max(-1) == 1.0).all()
 
-        block = np.concatenate([[anchor], dr.tokens]).astype(np.int64)  # S = γ + 1
-        lo, fo = ort_be.target(block, start, gamma + 1)
-        lr, fr = ref_be.target(block, start, gamma + 1)
+        block = np.concatenate([[anchor], dr.tokens[0]]).astype(np.int64)[None]  # [1, γ + 1]
+        lo, fo = ort_be.target(block, start * one)
+        lr, fr = ref_be.target(block, start * one)
         close(lo, lr, f"{where}: verify logits")
         close(fo, fr, f"{where}: verify features")
         assert (lo.argmax(-1) == lr.argmax(-1)).all()
-        ctx_o, ctx_r, ctx_start = fo[:a + 1], fr[:a + 1], start
-        start, anchor = start + a + 1, int(np.argmax(lr[a]))
+        ctx_o, ctx_r, ctx_start = fo[0, :a + 1], fr[0, :a + 1], start
+        start, anchor = start + a + 1, int(np.argmax(lr[0, a]))
 
 
 def test_int8_drafter_graph(tiny_bundle, manifest, engine):
@@ -102,10 +108,11 @@ def test_int8_drafter_graph(tiny_bundle, manifest, engine):
     e8 = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
     assert "drafter_ort" in manifest.graphs and e8.backend._drafter.path.name == "drafter_ort.onnx"
     ids = np.asarray(engine.encode(PROMPT), np.int64)
-    _, feats = engine.backend.target(ids, 0, len(ids))
-    u = np.random.default_rng(0).random(manifest.drafter.block_size)
-    d32 = engine.backend.draft(feats, 0, 5, len(ids), 1.0, u)
-    d8 = e8.backend.draft(feats, 0, 5, len(ids), 1.0, u)
+    _, feats = engine.backend.target(ids[None], np.zeros(1, np.int64))  # [1, n, F]
+    u = np.random.default_rng(0).random((1, manifest.drafter.block_size))
+    args = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]), np.ones(1), u)
+    d32 = engine.backend.draft(feats, *args)
+    d8 = e8.backend.draft(feats, *args)
     assert float(np.abs(d8.probs - d32.probs).sum(-1).max()) < 0.1  # total variation < 0.05 per slot
     for prompt in PROMPTS:
         alone = engine.generate(prompt, max_new_tokens=40, scheduler="none")
@@ -166,18 +173,7 @@ def test_messages_and_raw_prompts(tiny_bundle, engine):
 
 # --- the lean runtime ------------------------------------------------------------------------------
 
-LEAN = """
-import importlib.abc, json, sys
-BLOCKED, attempts = ("torch", "transformers"), []
-
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            attempts.append(name)
-            raise ImportError(f"{name} is blocked: the runtime must not need it")
-        return None
-
-sys.meta_path.insert(0, Blocker())
+LEAN = import_blocker("torch", "transformers") + """
 import dspark.runtime
 from dspark.runtime import Engine
 from dspark.runtime.cli import main
@@ -244,9 +240,9 @@ def test_kv_buffers_are_reused(engine, monkeypatch):
     for kv in (be.target_kv, be.draft_kv):
         write = kv.write
 
-        def recording(new_rows, start, _write=write):
+        def recording(new_rows, starts, first_slot=0, _write=write):
             seen.append(kv_pointers(be))
-            _write(new_rows, start)
+            _write(new_rows, starts, first_slot)
 
         monkeypatch.setattr(kv, "write", recording)
 

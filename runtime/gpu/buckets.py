@@ -1,0 +1,54 @@
+"""Shape buckets. A captured CUDA graph replays one fixed set of shapes and addresses, so
+every call is rounded up to a bucket: the past width P (committed rows the graphs read,
+`past_mask` [B, P]) to a context bucket, masking the rows past the real length. Pure logic."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError
+from ..kv import MASKED
+
+
+@dataclass(frozen=True)
+class Buckets:
+    max_seq: int  # KV rows preallocated: the largest context
+    max_query: int  # γ + 1: the longest verification; longer calls (prefill) run eagerly, in chunks
+    prefill_chunk: int = 512  # rows per prefill call (and per first drafting round)
+    min_context: int = 128  # the smallest context bucket; then doubling, the last one max_seq
+
+    def __post_init__(self) -> None:
+        if self.max_seq < 2 or self.max_query < 1 or self.prefill_chunk < self.max_query or self.min_context < 1:
+            raise InputError(f"bad buckets {self}: need max_seq >= 2, max_query >= 1, "
+                             f"prefill_chunk >= max_query, min_context >= 1")
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        """Every context bucket, ascending; the last is max_seq."""
+        sizes, c = [], min(self.min_context, self.max_seq)
+        while c < self.max_seq:
+            sizes.append(c)
+            c *= 2
+        return (*sizes, self.max_seq)
+
+    def context(self, length: int) -> int:
+        """The past width a call with `length` committed rows runs at (>= 1: no empty axis)."""
+        if not 0 <= length <= self.max_seq:
+            raise InputError(f"context of {length} rows is outside 0..{self.max_seq}")
+        return next(c for c in self.contexts if c >= max(length, 1))
+
+    def graphable(self, query: int) -> bool:
+        """Calls of up to γ+1 rows are captured as graphs; longer ones (prefill) run eagerly."""
+        return query <= self.max_query
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) row ranges of at most prefill_chunk rows covering 0..n."""
+        return [(lo, min(lo + self.prefill_chunk, n)) for lo in range(0, n, self.prefill_chunk)]
+
+
+def past_mask(length: int, width: int, batch: int = 1) -> np.ndarray:
+    """[B, width] additive mask: rows [0, length) visible, rows [length, width) masked."""
+    mask = np.zeros((batch, width), np.float32)
+    mask[:, length:] = MASKED
+    return mask

@@ -1,0 +1,133 @@
+"""`dspark validate`: a backend's outputs against ONNX Runtime's on the same inputs, step by
+step (prefill, greedy and sampled drafting, verification), with tolerances per precision,
+then greedy identity of short generations in the floating-point sense of dspark.md §1.
+
+Comparisons use polygraphy's `CompareFunc.simple` where polygraphy is installed and numpy
+(|a - b| <= atol + rtol·|ref| everywhere) otherwise."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .backend import Backend
+from .errors import BackendError, InputError
+from .generate import SamplingParams, generate
+from .manifest import Manifest
+from .parity import GreedyMatch, greedy_match
+from .scheduler import FixedLength
+from .trt.profiles import PRECISIONS
+
+BACKENDS = ("onnxruntime", "ort-portable", "tensorrt", "torch", "torch-cuda-graph")
+
+
+@dataclass
+class Comparison:
+    name: str
+    max_abs: float
+    ok: bool
+    method: str  # "polygraphy" | "numpy" | "exact"
+
+
+@dataclass
+class Validation:
+    candidate: str
+    reference: str
+    precision: str
+    atol: float
+    rtol: float
+    comparisons: list[Comparison] = field(default_factory=list)
+    greedy: list[GreedyMatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.comparisons) and all(g.ok for g in self.greedy)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "greedy": [{**asdict(g), "verdict": str(g)} for g in self.greedy], "ok": self.ok}
+
+    def lines(self) -> list[str]:
+        out = [f"{self.candidate} vs {self.reference} ({self.precision}: atol {self.atol:g}, rtol {self.rtol:g})"]
+        out += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: max |diff| {c.max_abs:.3g} ({c.method})"
+                for c in self.comparisons]
+        out += [f"  {'ok  ' if g.ok else 'FAIL'} greedy generation {i}: {g}" for i, g in enumerate(self.greedy)]
+        return out + [f"{'PASS' if self.ok else 'FAIL'}"]
+
+
+def compare(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> Comparison:
+    ref, got = np.asarray(ref), np.asarray(got)
+    if ref.shape != got.shape:
+        return Comparison(f"{name} (shapes {ref.shape} vs {got.shape})", float("inf"), False, "shape")
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    max_abs = float(diff.max()) if diff.size else 0.0
+    try:
+        from polygraphy.comparator import CompareFunc, IterationResult
+    except ImportError:
+        return Comparison(name, max_abs, bool((diff <= atol + rtol * np.abs(ref)).all()), "numpy")
+    result = CompareFunc.simple(atol=atol, rtol=rtol)(IterationResult(outputs={name: ref}, runner_name="reference"),
+                                                      IterationResult(outputs={name: got}, runner_name="candidate"))
+    return Comparison(name, max_abs, bool(result[name]), "polygraphy")
+
+
+def validate(reference: Backend, candidate: Backend, prompts: Sequence[Sequence[int]], names: tuple[str, str],
+             precision: str = "fp32", max_new_tokens: int = 32, stop_token_ids: tuple[int, ...] = (),
+             seed: int = 0) -> Validation:
+    """Both backends get the same inputs at every step (the reference's features and drafts)."""
+    p = PRECISIONS[precision]
+    v = Validation(names[1], names[0], precision, p.atol, p.rtol)
+
+    def check(name: str, ref: np.ndarray, got: np.ndarray) -> None:
+        v.comparisons.append(compare(name, ref, got, p.atol, p.rtol))
+
+    ids = np.asarray(prompts[0], np.int64)
+    n, gamma = len(ids), reference.block_size
+    zero = np.zeros(1, np.int64)  # starts [1]: one request row, in slot 0
+    (lr, fr), (lc, fc) = reference.target(ids[None], zero), candidate.target(ids[None], zero)  # [1, n, V], [1, n, F]
+    check("prefill logits", lr, lc)
+    check("prefill features", fr, fc)
+    anchor = int(np.argmax(lr[0, -1]))
+    u = np.random.default_rng(seed).random((1, gamma))
+    for T in (0.0, 1.0):
+        args = (np.array([n]), zero, np.array([anchor]), np.array([T]), u)  # every prompt row as context
+        dr, dc = reference.draft(fr, *args), candidate.draft(fr, *args)
+        check(f"draft probs (T={T:g})", dr.probs, dc.probs)
+        check(f"confidence logits (T={T:g})", dr.confidence_logits, dc.confidence_logits)
+        same = dr.tokens.tolist() == dc.tokens.tolist()
+        v.comparisons.append(Comparison(f"draft tokens (T={T:g})", 0.0 if same else float("nan"), same, "exact"))
+    block = np.concatenate([[anchor], dr.tokens[0]]).astype(np.int64)[None]  # [1, γ + 1]
+    (lr, fr), (lc, fc) = reference.target(block, zero + n), candidate.target(block, zero + n)
+    check("verify logits", lr, lc)
+    check("verify features", fr, fc)
+    params = SamplingParams(0.0, max_new_tokens, seed, stop_token_ids)
+    for prompt in prompts:
+        ref = generate(reference, prompt, params, FixedLength()).token_ids
+        got = generate(candidate, prompt, params, FixedLength()).token_ids
+        (logits,), _ = reference.target(np.asarray([*prompt, *ref[:-1]], np.int64)[None], zero)
+        v.greedy.append(greedy_match(ref, got, logits[len(prompt) - 1:]))  # row n-1+i produced ref[i]
+    return v
+
+
+def open_backend(name: str, bundle: Path, manifest: Manifest, max_seq: int | None,
+                 target: str | None = None, drafter: str | None = None) -> Backend:
+    """Any backend by name; the PyTorch ones load the models the bundle was exported from."""
+    if name not in BACKENDS:
+        raise InputError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "tensorrt":
+        from .trt.backend import tensorrt_backend
+
+        return tensorrt_backend(bundle, manifest, max_seq)
+    max_seq = max_seq or min(512, manifest.target.max_position_embeddings)
+    if name in ("onnxruntime", "ort-portable"):
+        from .ort_backend import OrtBackend
+
+        # the exported fp32 drafter: the int8 one (the CPU default) proposes from another distribution by design
+        return OrtBackend(bundle, manifest, max_seq, target_graph="portable" if name == "ort-portable" else "auto",
+                          drafter_graph="fp32")
+    try:
+        from dspark.export.backends import torch_backend
+    except ImportError as e:
+        raise BackendError(f"backend {name} runs the PyTorch reference models: it needs the export extra "
+                           f"(pip install 'dspark-trt[export]'): {e}") from e
+    return torch_backend(name, manifest, max_seq, target, drafter)

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Concurrency benchmark: total and per-request tokens/s against the number of requests
+served at once, R ∈ {1, 2, 4, 8, 16, 32}, for
+
+  none   the target alone on the bundle's engine
+  fixed  DSpark verifying all γ drafts
+  auto   DSpark with the default scheduler (Algorithm 1 when the bundle has sps.json and
+         calibration.json, from `dspark profile` and `dspark calibrate`; else `fixed`, with a warning)
+
+side by side, greedy, over GSM8K and MT-Bench prompts (first turn). Each R level serves
+2·R requests (at least --min-requests) through R slots, so requests join and leave;
+the contenders run one after the other on the same engine after a warm-up. Greedy
+outputs at R > 1 are compared with the same scheduler's R = 1 outputs.
+
+    python scripts/bench_concurrency.py --bundle engines/smollm2 --out /tmp/conc.json --png /tmp/conc.png
+
+This is a benchmark, not a test: it prints figures, it asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dspark.runtime import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASETS = ("gsm8k", "mt-bench")
+
+
+def load_prompts(data_dir: Path, n: int) -> list[str]:
+    """n prompts, alternating between the datasets (first turns)."""
+    per = []
+    for name in DATASETS:
+        with open(data_dir / "bench" / f"{name}.jsonl") as f:
+            per.append([json.loads(line)["turns"][0] for line in f if line.strip()][:n])
+    mixed = [p for pair in zip(*per) for p in pair][:n]
+    if len(mixed) < n:
+        raise SystemExit(f"only {len(mixed)} prompts in {data_dir / 'bench'}, {n} needed")
+    return mixed
+
+
+def run_level(engine: Engine, prompts: list[str], scheduler: str, max_new_tokens: int) -> dict:
+    engine.generate_batch(prompts[:engine.backend.slots], max_new_tokens=8, scheduler=scheduler)  # warm-up
+    t0 = time.perf_counter()
+    results = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, scheduler=scheduler)
+    wall = time.perf_counter() - t0
+    tokens = [len(r.token_ids) for r in results]
+    drafted = [r.stats for r in results if r.stats.verified]
+    return {
+        "scheduler": scheduler, "resolved": getattr(engine.scheduler(scheduler), "name", "none"),
+        "requests": len(prompts), "tokens": int(sum(tokens)), "wall_s": wall,
+        "total_tok_s": sum(tokens) / wall,
+        "per_request_tok_s": float(np.mean([r.stats.to_dict(n)["tokens_per_s"] for r, n in zip(results, tokens)])),
+        "tau": float(np.mean([s.tau for s in drafted])) if drafted else 1.0,
+        "mean_verified": float(np.mean([v for s in drafted for v in s.verified])) if drafted else 0.0,
+        "drafted_share": float(sum(s.drafted for s in drafted) / max(1, sum(s.cycles for s in drafted))),
+        "mean_batch": float(np.mean([b for r in results for b in r.stats.batch])),
+        "token_ids": [r.token_ids for r in results],
+    }
+
+
+def plot(levels: dict[int, dict[str, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    Rs = sorted(levels)
+    for name in levels[Rs[0]]:
+        for ax, key in zip(axes, ("total_tok_s", "per_request_tok_s", "mean_verified")):
+            ax.plot(Rs, [levels[R][name][key] for R in Rs], "o-", ms=4, label=f"{name} ({levels[Rs[0]][name]['resolved']})")
+    for ax, title in zip(axes, ("total tokens/s", "per-request tokens/s", "mean verified length ℓ")):
+        ax.set(xlabel="concurrent requests R", title=title, xscale="log", xticks=Rs, xticklabels=[str(r) for r in Rs])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bundle", type=Path, default=ROOT / "engines" / "smollm2", help="bundle (default engines/smollm2)")
+    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data", help="has bench/*.jsonl")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="R levels (default 1,2,4,8,16,32)")
+    p.add_argument("--schedulers", default="none,fixed,auto", help="contenders (default none,fixed,auto)")
+    p.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument("--max-seq", type=int, default=1024, help="KV positions per slot (default 1024)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime threads")
+    p.add_argument("--out", type=Path, default=None, help="write every figure to this JSON file")
+    p.add_argument("--png", type=Path, default=None, help="write the plots to this PNG file")
+    args = p.parse_args(argv)
+
+    Rs = [int(r) for r in args.concurrency.split(",")]
+    schedulers = args.schedulers.split(",")
+    prompts = load_prompts(args.data_dir, max(max(2 * R for R in Rs), args.min_requests))
+    levels: dict[int, dict[str, dict]] = {}
+    print(f"{'R':>3} {'scheduler':>10} {'total tok/s':>12} {'per-req tok/s':>14} {'τ':>5} {'ℓ':>5} {'batch':>6} "
+          f"{'identical to R=1':>17}")
+    for R in Rs:
+        engine = Engine.load(args.bundle, max_seq=args.max_seq, slots=R, threads=args.threads)
+        n = max(2 * R, args.min_requests)
+        levels[R] = {}
+        for name in schedulers:
+            level = run_level(engine, prompts[:n], name, args.max_new_tokens)
+            base = levels[Rs[0]][name]["token_ids"] if R != Rs[0] else level["token_ids"]
+            level["identical_to_first_level"] = sum(a == b for a, b in zip(base, level["token_ids"]))
+            levels[R][name] = level
+            compared = min(len(base), len(level["token_ids"]))
+            print(f"{R:>3} {name + ('' if level['resolved'] == name else '→' + level['resolved']):>10} "
+                  f"{level['total_tok_s']:>12.1f} {level['per_request_tok_s']:>14.1f} {level['tau']:>5.2f} "
+                  f"{level['mean_verified']:>5.2f} {level['mean_batch']:>6.1f} "
+                  f"{level['identical_to_first_level']:>8}/{compared}", flush=True)
+        del engine
+    if args.png:
+        plot(levels, args.png)
+        print(f"wrote {args.png}")
+    if args.out:
+        args.out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                        "bundle": str(args.bundle), "args": {k: str(v) for k, v in vars(args).items()},
+                                        "levels": levels}, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

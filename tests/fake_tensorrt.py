@@ -1,0 +1,278 @@
+"""A FAKE of the `tensorrt` module, for unit tests of dspark.runtime.trt on machines without
+TensorRT. It is NOT TensorRT and proves nothing about TensorRT: it implements the few calls
+our builder and backend make, records them, and checks what TensorRT would refuse for our
+inputs. Builder: every network input (read from the ONNX file with `onnx`) needs a shape in
+every optimization profile, of the graph's rank, equal to the graph's static dims, with
+min <= opt <= max; a "plan" is JSON describing the build. Runtime: an "engine" runs the ONNX
+graph with ONNX Runtime on host arrays found by their addresses (`HostDevice`); a context
+refuses input shapes outside its optimization profile and resolves output shapes from the
+graph's symbolic dims."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from dspark.runtime.gpu.cupy_device import GpuInfo
+from dspark.runtime.ort_backend import session_options
+
+__version__ = "10.99.0-fake"
+NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=1)
+MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
+BuilderFlag = SimpleNamespace(TF32="tf32", FP16="fp16", BF16="bf16")
+TensorIOMode = SimpleNamespace(INPUT="input", OUTPUT="output")
+ExecutionContextAllocationStrategy = SimpleNamespace(STATIC="static", USER_MANAGED="user_managed")
+memory: dict[int, np.ndarray] = {}  # "device" address -> host array (HostDevice allocates here)
+calls: list[tuple] = []  # every recorded call, in order; tests clear it
+
+
+class Logger:
+    WARNING = 2
+
+    def __init__(self, level: int = 2):
+        self.level = level
+
+
+class TimingCache:
+    def __init__(self, blob: bytes):
+        self.blob = blob
+
+    def serialize(self) -> bytes:
+        builds = json.loads(self.blob or b'{"builds": 0}')["builds"]
+        return json.dumps({"builds": builds + 1}).encode()
+
+
+class OptimizationProfile:
+    def __init__(self):
+        self.shapes: dict[str, tuple] = {}
+
+    def set_shape(self, name, lo, opt, hi) -> None:
+        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+
+
+class BuilderConfig:
+    def __init__(self):
+        self.flags = {BuilderFlag.TF32}  # TensorRT enables TF32 by default
+        self.profiles: list[OptimizationProfile] = []
+        self.cache: TimingCache | None = None
+        self.pools: dict = {}
+
+    def set_memory_pool_limit(self, pool, size: int) -> None:
+        self.pools[pool] = size
+
+    def clear_flag(self, flag) -> None:
+        self.flags.discard(flag)
+
+    def create_timing_cache(self, blob: bytes) -> TimingCache:
+        calls.append(("create_timing_cache", bytes(blob)))
+        return TimingCache(bytes(blob))
+
+    def set_timing_cache(self, cache: TimingCache, ignore_mismatch: bool) -> bool:
+        self.cache = cache
+        return True
+
+    def get_timing_cache(self) -> TimingCache:
+        return self.cache
+
+    def add_optimization_profile(self, profile: OptimizationProfile) -> int:
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+
+class Network:
+    def __init__(self, flags: int):
+        self.flags = flags
+        self.inputs: dict[str, tuple] = {}  # name -> dims, -1 where dynamic
+        self.path = ""
+
+
+class OnnxParser:
+    def __init__(self, network: Network, logger: Logger):
+        self.network, self.errors = network, []
+
+    def parse_from_file(self, path: str) -> bool:
+        calls.append(("parse_from_file", path))
+        self.network.path = path
+        try:
+            model = onnx.load(path, load_external_data=False)
+        except Exception as e:  # noqa: BLE001
+            self.errors = [f"cannot read {path}: {e}"]
+            return False
+        for i in model.graph.input:
+            dims = i.type.tensor_type.shape.dim
+            self.network.inputs[i.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
+        return True
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    def get_error(self, i: int) -> str:
+        return self.errors[i]
+
+
+class Builder:
+    def __init__(self, logger: Logger):
+        self.logger = logger
+
+    def create_network(self, flags: int) -> Network:
+        return Network(flags)
+
+    def create_builder_config(self) -> BuilderConfig:
+        return BuilderConfig()
+
+    def create_optimization_profile(self) -> OptimizationProfile:
+        return OptimizationProfile()
+
+    def build_serialized_network(self, network: Network, config: BuilderConfig) -> bytes | None:
+        calls.append(("build", network, config))
+        if not network.flags & (1 << NetworkDefinitionCreationFlag.STRONGLY_TYPED) or not config.profiles:
+            return None
+        for p in config.profiles:
+            for name, dims in network.inputs.items():
+                if name not in p.shapes:
+                    return None
+                for shape in p.shapes[name]:
+                    if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
+                        return None
+                lo, opt, hi = p.shapes[name]
+                if not all(a <= b <= c for a, b, c in zip(lo, opt, hi)):
+                    return None
+            if set(p.shapes) - set(network.inputs):
+                return None
+        return json.dumps({"fake_plan": True, "onnx": network.path, "inputs": sorted(network.inputs),
+                           "tf32": BuilderFlag.TF32 in config.flags,
+                           "profiles": [p.shapes for p in config.profiles]}).encode()
+
+
+def nptype(dtype: np.dtype) -> type:
+    return np.dtype(dtype).type
+
+
+ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(int64)": np.dtype(np.int64)}
+
+
+class Runtime:
+    def __init__(self, logger: Logger):
+        self.logger = logger
+
+    def deserialize_cuda_engine(self, blob: bytes) -> "Engine | None":
+        try:
+            plan = json.loads(blob)
+        except ValueError:
+            return None
+        return Engine(plan) if plan.get("fake_plan") else None
+
+
+class Engine:
+    def __init__(self, plan: dict):
+        self.profiles = plan["profiles"]
+        self.session = ort.InferenceSession(plan["onnx"], session_options(1), providers=["CPUExecutionProvider"])
+        self.io = {**{i.name: (TensorIOMode.INPUT, i) for i in self.session.get_inputs()},
+                   **{o.name: (TensorIOMode.OUTPUT, o) for o in self.session.get_outputs()}}
+        self.names = list(self.io)
+        self.num_io_tensors = len(self.names)
+        self.device_memory_size_v2 = 4096
+        self.contexts: list[Context] = []
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.names[i]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return self.io[name][0]
+
+    def get_tensor_dtype(self, name: str) -> np.dtype:
+        return ORT_TYPES[self.io[name][1].type]
+
+    def create_execution_context(self, strategy: str = ExecutionContextAllocationStrategy.STATIC) -> "Context":
+        self.contexts.append(Context(self, strategy))
+        return self.contexts[-1]
+
+
+class Context:
+    def __init__(self, engine: Engine, strategy: str):
+        self.engine, self.strategy = engine, strategy
+        self.profile, self.shapes, self.addresses, self.device_memory_set = None, {}, {}, False
+        self.executions = 0
+
+    def set_device_memory(self, address: int, size: int) -> None:
+        self.device_memory_set = address in memory and size >= self.engine.device_memory_size_v2
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        self.profile = index if 0 <= index < len(self.engine.profiles) else None
+        return self.profile is not None
+
+    def set_input_shape(self, name: str, shape: tuple) -> bool:
+        lo, _, hi = self.engine.profiles[self.profile][name]
+        ok = len(shape) == len(lo) and all(a <= s <= b for a, s, b in zip(lo, shape, hi))
+        if ok:
+            self.shapes[name] = tuple(shape)
+        return ok
+
+    def set_tensor_address(self, name: str, address: int) -> None:
+        self.addresses[name] = address
+
+    def get_tensor_shape(self, name: str) -> tuple:
+        symbols = {}
+        for inp in self.engine.session.get_inputs():
+            for dim, size in zip(inp.shape, self.shapes[inp.name]):
+                if isinstance(dim, str):
+                    symbols.setdefault(dim, size)
+        return tuple(symbols[d] if isinstance(d, str) else d for d in self.engine.io[name][1].shape)
+
+    def execute_async_v3(self, stream: int) -> bool:
+        if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and not self.device_memory_set:
+            return False
+        feeds = {i.name: memory[self.addresses[i.name]] for i in self.engine.session.get_inputs()}
+        if any(feeds[n].shape != self.shapes[n] for n in feeds):
+            return False
+        outs = self.engine.session.run(None, feeds)
+        for o, value in zip(self.engine.session.get_outputs(), outs):
+            np.copyto(memory[self.addresses[o.name]], value)
+        self.executions += 1
+        return True
+
+
+class HostDevice:
+    """A `PointerDevice` on the host for the fake engines: numpy arrays registered in `memory`
+    by address; `capture` records the body and re-runs it (no graph)."""
+
+    info = GpuInfo("fake GPU", (9, 0))
+    name = "host (fake device)"
+    stream_handle = 0
+
+    def zeros(self, shape: tuple, dtype: Any) -> np.ndarray:
+        a = np.zeros(shape, dtype)
+        memory[self.address(a)] = a
+        return a
+
+    def address(self, a: np.ndarray) -> int:
+        return a.__array_interface__["data"][0]
+
+    def upload(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src)
+
+    def download(self, src: np.ndarray) -> np.ndarray:
+        return src.copy()
+
+    def write_rows(self, cache: np.ndarray, rows: np.ndarray, positions: np.ndarray) -> None:
+        n = rows.shape[2]
+        for b in range(rows.shape[0]):
+            cache[b][:, positions[b, :n]] = rows[b]
+
+    def compute(self, fn: Callable[..., Any], *args: Any) -> np.ndarray:
+        return np.asarray(fn(np, *(np.asarray(a) for a in args)))
+
+    def capture(self, body: Callable[[], dict]) -> tuple[Callable[[], None], dict]:
+        outputs = body()
+
+        def rerun() -> None:
+            for name, value in body().items():
+                np.copyto(outputs[name], value)
+
+        return rerun, outputs

@@ -1,0 +1,187 @@
+"""Concurrent requests on the exported engine (tiny random model): R slots, requests joining
+and leaving, every scheduler; a request's greedy output is the one it gets alone and its
+sampled output follows its own RNG stream. Plus the bundle's SPS table and calibration:
+the fallback without them and clear errors for corrupt ones."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from factories import reference_logits
+
+from dspark.runtime import BundleError, Calibration, Engine, InputError, SpsTable
+from dspark.runtime.cli import main
+from dspark.runtime.parity import greedy_match
+
+PROMPTS = ["Hello there, how are you?", "What is 17 * 23?", "Tell me a story about a dragon.", "Hi",
+           "abc def ghi jkl mno pqr"]
+SLOTS = 3
+MAX_SEQ = 160
+SCHEDULERS = ["none", "fixed", "threshold", "prefix", "async", "cost"]
+# Verification gets dearer with the batch; drafting costs a third of a one-token step.
+SPS = SpsTable(tuple(1.0 / (1.0 + 0.12 * (b - 1)) for b in range(1, 16)), (0.3, 0.35, 0.4))
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny_bundle, tmp_path_factory):
+    """A copy of the tiny bundle with an SPS table and a calibration."""
+    path = tmp_path_factory.mktemp("profiled") / "bundle"
+    shutil.copytree(tiny_bundle.path, path)
+    SPS.save(path, {"synthetic": True})
+    Calibration((1.5, 1.0, 0.8, 1.2)).save(path, {"synthetic": True})
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(profiled):
+    return Engine.load(profiled, max_seq=MAX_SEQ), Engine.load(profiled, max_seq=MAX_SEQ, slots=SLOTS)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_greedy_batch_identical_to_solo(tiny_bundle, engines, scheduler):
+    solo_engine, batch_engine = engines
+    batch = batch_engine.generate_batch(PROMPTS, max_new_tokens=40, scheduler=scheduler)
+    lengths = set()
+    for prompt, got in zip(PROMPTS, batch):
+        alone = solo_engine.generate(prompt, max_new_tokens=40, scheduler=scheduler)
+        ids = solo_engine.encode(prompt)
+        m = greedy_match(alone.token_ids, got.token_ids, reference_logits(tiny_bundle.target, ids, alone.token_ids))
+        assert m.ok, f"{prompt!r} ({scheduler}): {m}"
+        lengths.update(got.stats.verified)
+    assert [g.stats.batch[0] for g in batch[:SLOTS]] == [SLOTS] * SLOTS  # the first R start together
+    assert all(len(g.token_ids) == 40 for g in batch)  # the rest joined freed slots and finished too
+    if scheduler in ("threshold", "prefix", "async", "cost"):
+        assert len(lengths) > 1, f"{scheduler}: verified lengths {sorted(lengths)} should vary"
+    if scheduler == "cost":
+        drafted = sum(g.stats.drafted for g in batch)
+        cycles = sum(g.stats.cycles for g in batch)
+        assert 0 < drafted < cycles, f"the drafter gate should skip some steps ({drafted} of {cycles} drafted)"
+
+
+@pytest.mark.parametrize("graph", ["ort", "portable"])
+def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
+    """Two slots at different lengths: a drafting round with 1 and 3 new context rows (one row
+    padded) and a verification with 1 + 1 and 1 + 4 tokens (one row padded), against the torch
+    reference row by row, sampled."""
+    from dspark.export import TorchBackend
+    from dspark.runtime.manifest import Manifest
+    from dspark.runtime.ort_backend import OrtBackend
+
+    solo_engine, _ = engines
+    manifest = Manifest.load(tiny_bundle.path)
+    ob = OrtBackend(tiny_bundle.path, manifest, MAX_SEQ, target_graph=graph, drafter_graph="fp32", slots=2)
+    tb = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, MAX_SEQ, slots=2)
+    ids = [np.asarray(solo_engine.encode(p), np.int64) for p in PROMPTS[:2]]
+    feats = []
+    for slot, x in enumerate(ids):
+        (lo, fo), (lr, fr) = ob.prefill(slot, x, True), tb.prefill(slot, x, True)
+        np.testing.assert_allclose(lo, lr, atol=1e-4)
+        feats.append(fr)
+    # slot 1 takes two more target tokens first, so that it feeds the drafter 3 context rows
+    extra = np.array([[5, 6]], np.int64)
+    ob._run_target(1, extra, np.array([len(ids[1])]), np.zeros((1, 1), np.int64))
+    (_, fr1) = tb._row(1, extra[0], len(ids[1]))
+    counts = np.array([1, 3])
+    features = np.zeros((2, 3, manifest.drafter.feature_dim), np.float32)
+    features[0, :1], features[1] = feats[0], np.concatenate([feats[1], fr1])
+    starts = np.array([len(ids[0]), len(ids[1]) + 2])
+    args = (counts, starts - counts, np.array([7, 8]), np.ones(2, np.float32), np.random.default_rng(0).random((2, 4)))
+    do, dr = ob.draft(features, *args), tb.draft(features, *args)
+    assert do.tokens.tolist() == dr.tokens.tolist()
+    np.testing.assert_allclose(do.probs, dr.probs, atol=1e-4)
+    np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=1e-4)
+    tokens = np.concatenate([np.array([[7], [8]]), do.tokens], axis=1)  # [2, 5]; row 0 verifies one draft
+    lo, fo = ob.target(tokens, starts)
+    np.testing.assert_allclose(lo[0, :2], tb.target(tokens[:1, :2], starts[:1])[0][0], atol=1e-4)
+    np.testing.assert_allclose(lo[1], tb._row(1, tokens[1], int(starts[1]))[0], atol=1e-4)
+
+
+def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
+    """The standard-op target graph (what TensorRT reads) serves batched verification by itself."""
+    solo_engine, _ = engines
+    portable = Engine.load(profiled, max_seq=MAX_SEQ, slots=SLOTS, target_graph="portable")
+    assert not portable.backend.in_place
+    for prompt, got in zip(PROMPTS, portable.generate_batch(PROMPTS, max_new_tokens=30, scheduler="prefix")):
+        alone = solo_engine.generate(prompt, max_new_tokens=30, scheduler="prefix")
+        ids = solo_engine.encode(prompt)
+        m = greedy_match(alone.token_ids, got.token_ids, reference_logits(tiny_bundle.target, ids, alone.token_ids))
+        assert m.ok, f"{prompt!r}: {m}"
+
+
+@pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
+def test_sampled_batch_follows_each_requests_rng(engines, scheduler):
+    """Schedulers that decide per request give the very tokens of a solo run with the same seed,
+    also with the int8 drafter (the CPU default), whose per-call activation scale would couple
+    the rows of one batched call: it drafts row by row."""
+    solo_engine, batch_engine = engines
+    assert batch_engine.backend.drafter_int8 and solo_engine.backend.drafter_int8
+    batch = batch_engine.generate_batch(PROMPTS, max_new_tokens=30, temperature=1.0, seeds=[7, 8, 9, 10, 11],
+                                        scheduler=scheduler)
+    for prompt, seed, got in zip(PROMPTS, [7, 8, 9, 10, 11], batch):
+        alone = solo_engine.generate(prompt, max_new_tokens=30, temperature=1.0, seed=seed, scheduler=scheduler)
+        assert got.token_ids == alone.token_ids, f"{prompt!r}"
+
+
+def test_kv_buffers_sized_at_load(engines):
+    _, batch_engine = engines
+    be = batch_engine.backend
+    pointers = [a.ctypes.data for a in be.target_kv.arrays + be.draft_kv.arrays]
+    batch_engine.generate_batch(PROMPTS, max_new_tokens=20)
+    assert [a.ctypes.data for a in be.target_kv.arrays + be.draft_kv.arrays] == pointers
+    assert all(a.shape[0] == SLOTS and a.shape[2] == MAX_SEQ for a in be.target_kv.arrays)
+
+
+# --- the SPS table and calibration in the bundle -------------------------------------------------------
+
+def test_auto_scheduler(tiny_bundle, engines):
+    solo_engine, _ = engines
+    assert solo_engine.scheduler("auto").name == "prefix"
+    bare = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
+    with pytest.warns(UserWarning, match="dspark profile.*dspark calibrate.*falls back to `fixed`"):
+        r = bare.generate(PROMPTS[0], max_new_tokens=20)
+    assert r.token_ids == bare.generate(PROMPTS[0], max_new_tokens=20, scheduler="fixed").token_ids
+    with pytest.raises(InputError, match="dspark profile"):
+        bare.generate(PROMPTS[0], max_new_tokens=20, scheduler="prefix")
+
+
+def test_cli_prints_the_fallback_warning(tiny_bundle, capsys):
+    assert main(["generate", "--bundle", str(tiny_bundle.path), "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: bundle" in err and "falls back to `fixed`" in err and "DSpark (auto)" in err
+
+
+def _broken(profiled, tmp_path, name: str, content: str):
+    path = tmp_path / "bundle"
+    shutil.copytree(profiled, path)
+    (path / name).write_text(content)
+    return path
+
+
+@pytest.mark.parametrize("name,content,fix", [
+    ("sps.json", "{not json", "dspark profile"),
+    ("sps.json", json.dumps({"format": 1, "sps": [1.0, -0.5]}), "dspark profile"),
+    ("sps.json", json.dumps({"format": 1, "sps": []}), "dspark profile"),
+    ("sps.json", json.dumps({"format": 7, "sps": [1.0]}), "dspark profile"),
+    ("calibration.json", json.dumps({"format": 1, "temperatures": [1.0, 0.0, 1.0, 1.0]}), "dspark calibrate"),
+    ("calibration.json", json.dumps({"format": 1, "temperatures": [1.0, -2.0, 1.0, 1.0]}), "dspark calibrate"),
+    ("calibration.json", json.dumps({"format": 1, "temperatures": [1.0, 1.0]}), "dspark calibrate"),
+    ("calibration.json", "[]", "dspark calibrate"),
+])
+def test_corrupt_tables_are_clear_errors(profiled, tmp_path, capsys, name, content, fix):
+    path = _broken(profiled, tmp_path, name, content)
+    with pytest.raises(BundleError, match=fix):
+        Engine.load(path, max_seq=MAX_SEQ)
+    capsys.readouterr()
+    assert main(["generate", "--bundle", str(path), "--prompt", "Hi", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and name in err and fix in err
+
+
+def test_calibration_temperature_must_be_positive():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InputError, match="expected a finite number > 0"):
+            Calibration((1.0, bad))
+    a = Calibration((1.0, 2.0)).survival(np.array([[2.0, -1.0], [0.0, 3.0]]))
+    assert (np.diff(a, axis=1) <= 0).all() and a[1, 0] == 0.5
