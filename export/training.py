@@ -90,6 +90,7 @@ class TrainConfig:
     batch: int = 8  # sequences per step
     grad_clip: float = 1.0
     seed: int = 0  # drafter initialisation, data order, anchor sampling
+    init_from: str = ""  # a DeepSpec checkpoint whose weights start the run ("" = random init by seed)
     amp: str = "none"  # "bf16": autocast to bfloat16 (fp32 master weights); "none": fp32
 
     def __post_init__(self) -> None:
@@ -165,8 +166,14 @@ def check_resume_config(saved: TrainConfig, requested: TrainConfig | None) -> No
 
 
 def build_drafter(target: TargetModel, cfg: TrainConfig) -> Drafter:
-    """A fresh drafter for `target` as `cfg` describes it (`init_drafter`: the target's
-    dimensions, its embedding and LM head copied in), fp32."""
+    """The drafter a run starts from, fp32: `cfg.init_from`'s weights (a warm start, e.g. a
+    later session continuing the shipped drafter), or a fresh one as `cfg` describes it
+    (`init_drafter`: the target's dimensions, its embedding and LM head copied in)."""
+    if cfg.init_from:
+        drafter = load_drafter(cfg.init_from, dtype=torch.float32,
+                               embeddings=(target.embed_tokens.weight, target.lm_head.weight))
+        check_drafter_matches(drafter, cfg)
+        return drafter
     return init_drafter(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
                         markov_head_type=cfg.markov_head_type, confidence_head=cfg.confidence_head,

@@ -35,6 +35,10 @@ The pipeline (each step resumable: run it again to continue where it stopped):
        python scripts/train_drafter.py export --run out/drafter/run --out drafters/smollm2-dspark
      then `dspark export --drafter drafters/smollm2-dspark --out engines/smollm2`.
 
+  A later session (machines are not kept, so no optimizer state survives) continues the
+  shipped drafter with a warm start on regenerated data:
+       python scripts/train_drafter.py train --init-from export/drafters/smollm2-135m-instruct ...
+
   budget       parameter count and the largest Markov rank within the 30 MB (bf16) budget.
 
 Defaults for the shipped drafter: gamma=7, 2 layers, target_layer_ids 1 8 15 22 28 of the
@@ -92,7 +96,7 @@ CONFIG_FLAGS = {  # flag dest -> TrainConfig field
     "dflash": "dflash", "anchors": "anchors_per_seq", "max_len": "max_seq_len", "alpha_ce": "alpha_ce",
     "alpha_tv": "alpha_tv", "alpha_conf": "alpha_conf", "decay": "decay", "lr": "lr", "min_lr_ratio": "min_lr_ratio",
     "weight_decay": "weight_decay", "warmup": "warmup_steps", "steps": "steps", "batch": "batch",
-    "grad_clip": "grad_clip", "seed": "seed", "amp": "amp",
+    "grad_clip": "grad_clip", "seed": "seed", "amp": "amp", "init_from": "init_from",
 }
 
 
@@ -122,6 +126,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, help="sequences per step (default 8)")
     g.add_argument("--grad-clip", type=float, help="gradient norm clip (default 1.0)")
     g.add_argument("--seed", type=int, help="initialisation, data order and anchors (default 0)")
+    g.add_argument("--init-from", help="start from this DeepSpec checkpoint's weights instead of a random init "
+                   "(e.g. continue the shipped drafter in a new session; its architecture must match the flags)")
     g.add_argument("--amp", choices=["bf16", "none"], help="bf16 autocast (default on CUDA) or fp32 (default on CPU)")
 
 

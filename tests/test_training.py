@@ -12,7 +12,7 @@ import pytest
 import torch
 from factories import tiny_drafter, tiny_target, write_tiny_hf_target
 
-from dspark.export import DraftSession, load_drafter, load_target
+from dspark.export import DraftSession, load_drafter, load_target, save_drafter
 from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache, GenerationConfig,
                                       OnTheFlySource, Prompt, cache_features, first_question, generate_responses,
                                       load_generator, load_train_prompts, read_prompts, read_responses,
@@ -225,6 +225,21 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(target, seqs, tmp_path):
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert len(log[-1]["acceptance"]) == GAMMA and log[-1]["step"] == 12
     assert lr_at(0, _cfg(warmup_steps=10)) == pytest.approx(3e-4)
+
+
+def test_warm_start_from_a_checkpoint(target, seqs, tmp_path):
+    """`init_from` starts a run from a saved drafter's weights (bf16 storage, as shipped); a
+    checkpoint of another architecture is refused naming the field."""
+    first = Trainer.start(target, ListSource(seqs), _cfg(batch=2, steps=2), tmp_path / "a", progress=False)
+    first.train()
+    save_drafter(first.drafter, tmp_path / "shipped", dtype=torch.bfloat16)
+    warm = Trainer.start(target, ListSource(seqs), _cfg(batch=2, steps=2, init_from=str(tmp_path / "shipped")),
+                         tmp_path / "b", progress=False)
+    for (name, p), q in zip(first.drafter.named_parameters(), warm.drafter.parameters()):
+        torch.testing.assert_close(q, p.to(torch.bfloat16).float(), atol=0, rtol=0, msg=name)
+    with pytest.raises(ConfigError, match="num_layers"):
+        Trainer.start(target, ListSource(seqs), _cfg(num_layers=1, init_from=str(tmp_path / "shipped")),
+                      tmp_path / "c", progress=False)
 
 
 def test_bf16_autocast_step(target, seqs, tmp_path):
