@@ -108,6 +108,21 @@ def test_target_graph_matches_torch(default_bundle, manifest, smollm2, graph):
     compare(block2, n + a + 1, gamma + 1, "verify 2")
 
 
+def same_draws(got: np.ndarray, ref: np.ndarray, ref_probs: np.ndarray, u: np.ndarray, where: str,
+               tol: float = 2e-3) -> int:
+    """Draft tokens equal slot by slot, except that a sampled slot may split where its uniform
+    lies within `tol` of the reference CDF boundary between the two tokens (probabilities agree
+    to ~1e-3, dspark.md §1's floating-point sense). Returns the slots that are comparable: all,
+    or up to and including the split (later slots are drawn after different tokens)."""
+    for k, (a, b) in enumerate(zip(got.tolist(), ref.tolist())):
+        if a != b:
+            cdf = np.cumsum(ref_probs[k], dtype=np.float64)
+            gap = abs(cdf[min(a, b)] - u[k] * cdf[-1])
+            assert gap < tol, f"{where}: slot {k} drew {a} vs {b}, uniform {gap:.2g} from the CDF boundary"
+            return k + 1
+    return len(ref)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperature):
     """The bundle's fp32 drafter graph against the torch reference of the same drafter (the
@@ -130,9 +145,9 @@ def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperat
                 rng.random((1, gamma)))
         do = ort_be.draft(ctx[None], *args)
         dr = ref.draft(ctx[None], *args)
-        assert do.tokens.tolist() == dr.tokens.tolist(), f"round {round_}: draft tokens"
-        np.testing.assert_allclose(do.probs, dr.probs, atol=2e-3, err_msg=f"round {round_}: draft probs")
-        np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=2e-3)
+        k = same_draws(do.tokens[0], dr.tokens[0], dr.probs[0], args[-1][0], f"round {round_}")
+        np.testing.assert_allclose(do.probs[0, :k], dr.probs[0, :k], atol=2e-3, err_msg=f"round {round_}: draft probs")
+        np.testing.assert_allclose(do.confidence_logits[0, :k], dr.confidence_logits[0, :k], atol=2e-3)
         block = np.concatenate([[anchor], dr.tokens[0]]).astype(np.int64)
         (logits,), (feats,) = ref.target(block[None], np.array([start]))
         ctx, ctx_start, start, anchor = feats[:2], start, start + 2, int(logits[1].argmax())
