@@ -155,26 +155,45 @@ def markdown_table(results: dict, datasets: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+MIN_ATTEMPTS = 10  # positions reached by fewer cycles are left out of Figure 2
+
+
+def wilson(k: np.ndarray, n: np.ndarray, z: float = 1.96) -> tuple[np.ndarray, np.ndarray]:
+    """95 % Wilson score interval of k successes in n trials (elementwise, n > 0)."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
 def plot_acceptance(results: dict, path: Path) -> None:
-    """Figure 2: per-position conditional acceptance, pooled over datasets."""
+    """Figure 2: per-position conditional acceptance pooled over datasets, with 95 % Wilson
+    intervals; positions reached by fewer than MIN_ATTEMPTS cycles are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, by_temp in results.items():
-        for temp, cells in by_temp.items():
-            att = np.sum([c.attempts for c in cells.values()], axis=0)
-            acc = np.sum([c.accepts for c in cells.values()], axis=0)
-            rate = np.where(att > 0, acc / np.maximum(att, 1), np.nan)
-            ax.plot(np.arange(1, len(rate) + 1), rate, marker="o", label=f"{label}, T={temp}")
+    for i, (label, by_temp) in enumerate(results.items()):
+        for j, (temp, cells) in enumerate(by_temp.items()):
+            att = np.sum([c.attempts for c in cells.values()], axis=0)  # [γ]
+            acc = np.sum([c.accepts for c in cells.values()], axis=0)  # [γ]
+            ok = att >= MIN_ATTEMPTS
+            if not ok.any():
+                continue
+            k = np.arange(1, len(att) + 1)[ok] + 0.06 * (2 * i + j - 1.5)  # side by side
+            lo, hi = wilson(acc[ok].astype(float), att[ok].astype(float))
+            rate = acc[ok] / att[ok]
+            ax.errorbar(k, rate, yerr=[rate - lo, hi - rate], marker="o", capsize=3, label=f"{label}, T={temp}")
+    gamma = max(len(c.attempts) for by_temp in results.values() for cells in by_temp.values() for c in cells.values())
+    ax.set_xticks(range(1, gamma + 1))
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | 1..k-1 accepted)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("Per-position conditional acceptance (fixed full-block verification)")
+    ax.set_title(f"Per-position conditional acceptance (95 % Wilson; n >= {MIN_ATTEMPTS})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dspark.runtime import Engine
-from dspark.runtime.bench import domain_means, loop_cycles, loop_tokens
+from dspark.runtime.bench import domain_means, loop_cycles, loop_tokens, wilson
 from dspark.runtime.cli import main
 
 
@@ -22,6 +22,11 @@ def test_loop_cycles_needs_every_token_of_the_cycle_inside():
     assert loop_cycles(seq, [3, 2, 3], window=3).tolist() == [False, False, True]
     # the last cycle cut by the budget: it committed only up to the end of the output
     assert loop_cycles(seq, [3, 2, 8], window=3).tolist() == [False, False, True]
+
+
+def test_wilson_interval():
+    lo, hi = wilson(np.array([5.0, 0.0]), np.array([10.0, 20.0]))
+    assert lo == pytest.approx([0.2366, 0.0], abs=1e-4) and hi == pytest.approx([0.7634, 0.1611], abs=1e-4)
 
 
 def test_domain_means_and_macro():
