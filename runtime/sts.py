@@ -11,6 +11,7 @@ from .scheduler import sigmoid
 
 BINS = 15
 GRID = np.geomspace(0.05, 20.0, 241)  # candidate temperatures
+MIN_POSITIVES = 20  # a position with fewer accepted prefixes keeps t_k = 1 (no evidence to fit)
 
 
 def outcomes(accepted: np.ndarray, gamma: int) -> np.ndarray:
@@ -45,12 +46,17 @@ def survival(logits: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
 
 
 def fit(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray = GRID) -> np.ndarray:
-    """Temperatures [γ], fitted left to right: t_k minimises the ECE of a_k with t_1..t_{k-1} fixed."""
+    """Temperatures [γ], fitted left to right: t_k minimises the ECE of a_k with t_1..t_{k-1} fixed.
+    Where fewer than MIN_POSITIVES cycles accepted the prefix 1..k, t_k stays 1: the ECE would
+    otherwise be minimised by the grid's extreme that predicts 0 everywhere."""
     gamma = logits.shape[1]
     y = outcomes(accepted, gamma)
     temps = np.ones(gamma)
     prefix = np.ones(len(logits))  # a_{k-1}
     for k in range(gamma):
+        if y[:, k].sum() < MIN_POSITIVES:
+            prefix = prefix * sigmoid(logits[:, k])
+            continue
         errs = [ece(prefix * sigmoid(logits[:, k] / t), y[:, k]) for t in grid]
         temps[k] = grid[int(np.argmin(errs))]
         prefix = prefix * sigmoid(logits[:, k] / temps[k])

@@ -44,3 +44,12 @@ def test_sts_recovers_known_temperatures():
         assert a["ece"] < 0.03 and a["ece"] < b["ece"], (b, a)
         assert a["ece_ci"][0] <= a["ece_ci"][1] and 0.5 < a["auc"] <= 1
     assert after[0]["auc"] == before[0]["auc"]  # one temperature per position keeps the order at position 1
+
+
+def test_sts_keeps_t_1_where_no_prefix_was_accepted():
+    """A position that (almost) no cycle reaches has nothing to fit: t_k stays 1 instead of the
+    grid's extreme that predicts 0 everywhere (seen on the shipped drafter's positions 5-7)."""
+    z, acc = synthetic(3000, 2)
+    acc = np.minimum(acc, 1)  # only position 1 is ever accepted
+    temps = sts.fit(z, acc)
+    assert temps[1:].tolist() == [1.0, 1.0]
