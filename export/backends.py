@@ -26,8 +26,8 @@ def torch_backend(name: str, manifest: Manifest, max_seq: int, target_path: str 
     if sha256(target.source) != manifest.source_hashes.get("target"):
         raise InputError(f"target {target.source} is not the model bundle {manifest.name!r} was exported from "
                          f"(sha256 differs from the manifest's); pass --target with the exported source")
-    drafter, _ = resolve_drafter(target, drafter_path)
-    got = sha256(Path(drafter_path)) if drafter_path else "untrained"
+    drafter, _, source = resolve_drafter(target, drafter_path)
+    got = sha256(source) if source else "untrained"
     if got != manifest.source_hashes.get("drafter"):
         raise InputError(f"drafter {drafter_path or '(untrained default)'} is not the one bundle {manifest.name!r} "
                          f"was exported with; pass --drafter with the exported checkpoint")

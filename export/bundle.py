@@ -37,14 +37,15 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tuple[Drafter, str]:
-    """The drafter at `drafter_path` (embeddings restored from the target if left out); without
-    one, the shipped drafter for the embedded default target, or for any other target an
-    untrained drafter, labelled as such."""
+def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tuple[Drafter, str, Path | None]:
+    """(drafter, label, checkpoint it came from): the drafter at `drafter_path` (embeddings
+    restored from the target if left out); without one, the shipped drafter for the embedded
+    default target, or for any other target an untrained drafter (checkpoint None), labelled
+    as such."""
     m = target.model
     if drafter_path is None:
         if target.source.resolve() != default_target_path().resolve() or not (SHIPPED_DRAFTER / "config.json").exists():
-            return init_drafter(m), UNTRAINED
+            return init_drafter(m), UNTRAINED, None
         drafter_path = SHIPPED_DRAFTER
     path = Path(drafter_path)
     if not path.exists():
@@ -52,8 +53,8 @@ def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tu
     drafter = load_drafter(path, embeddings=(m.embed_tokens.weight, m.lm_head.weight))
     drafter.cfg.check_against(m.cfg)
     if path == SHIPPED_DRAFTER:
-        return drafter, f"the project's default drafter {path.name} (dspark.export/drafters; scripts/train_drafter.py)"
-    return drafter, str(path)
+        return drafter, f"the project's default drafter {path.name} (dspark.export/drafters; scripts/train_drafter.py)", path
+    return drafter, str(path), path
 
 
 def reusable_target(bundle: Path, target: LoadedTarget, drafter: Drafter) -> Manifest:
@@ -78,8 +79,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     target = load_target(target_path)
     steps.update()
     steps.set_postfix_str("loading drafter")
-    drafter, label = resolve_drafter(target, drafter_path)
-    drafter_path = SHIPPED_DRAFTER if label != UNTRAINED and drafter_path is None else drafter_path
+    drafter, label, drafter_source = resolve_drafter(target, drafter_path)
     reused = reusable_target(Path(reuse_target), target, drafter) if reuse_target else None
     steps.update()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             dtype="float32",
             drafter_label=label,
             source_hashes={"target": sha256(target.source),
-                           "drafter": sha256(Path(drafter_path)) if drafter_path else "untrained"},
+                           "drafter": sha256(drafter_source) if drafter_source else "untrained"},
             extra={"ops": ops},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}

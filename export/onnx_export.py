@@ -39,7 +39,7 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
                                 output_names=outputs, dynamic_shapes=shapes, opset_version=OPSET, dynamo=True,
                                 optimize=True, verbose=False)
     _save(program, path)
-    return _ops(path)
+    return graph_ops(path)
 
 
 def export_drafter(drafter: Drafter, path: Path) -> list[str]:
@@ -59,9 +59,10 @@ def export_drafter(drafter: Drafter, path: Path) -> list[str]:
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
                                 verbose=False)
     _save(program, path)
-    return _ops(path)
+    return graph_ops(path)
 
 
-def _ops(path: Path) -> list[str]:
+def graph_ops(path: Path) -> list[str]:
+    """The distinct `domain::op` of a saved graph's top-level nodes (recorded in the manifest)."""
     model = onnx.load(str(path), load_external_data=False)
     return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node})

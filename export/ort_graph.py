@@ -22,6 +22,7 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from .onnx_export import graph_ops
 from .target import TargetModel
 
 MS = "com.microsoft"
@@ -141,7 +142,7 @@ def export_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...], pa
                     location=path.name + ".data", size_threshold=1024)
     # onnx.checker knows no contrib ops (SimplifiedLayerNormalization is registered by ONNX
     # Runtime itself), so this graph is validated by opening an ONNX Runtime session instead.
-    return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in proto.graph.node})
+    return graph_ops(path)
 
 
 def export_drafter_ort(portable: Path, path: Path) -> list[str]:
@@ -154,5 +155,4 @@ def export_drafter_ort(portable: Path, path: Path) -> list[str]:
 
     quantize_dynamic(str(portable), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
                      use_external_data_format=True, extra_options={"MatMulConstBOnly": True})
-    proto = onnx.load(str(path), load_external_data=False)
-    return sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in proto.graph.node})
+    return graph_ops(path)

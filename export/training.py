@@ -533,8 +533,8 @@ def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, t
 def compute_loss(drafter: Drafter, batch: TrainBatch, cfg: TrainConfig,
                  weight_total: torch.Tensor | float | None = None) -> LossTerms:
     """Backbone -> heads -> losses for one (micro-)batch. Under bf16 autocast the backbone and
-    the draft heads' matmuls run in bf16 (fp32 accumulation; 3.7x the fp32 GEMM rate of an
-    AVX512-bf16 CPU); the target's logits, the softmaxes and the losses stay in fp32."""
+    the draft heads' matmuls run in bf16 (fp32 accumulation; 3.7x the fp32 rate measured for
+    the LM-head GEMM on one thread of this project's AVX512-bf16 CPU); the target's logits, the softmaxes and the losses stay in fp32."""
     h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions)  # [B, A, γ, d]
     sel = batch.anchor_ok  # [B, A]
     h = h[sel].float()  # [N, γ, d]

@@ -113,8 +113,8 @@ class Cell:
         self.tokens += int(em.sum())
         self.loop_cycles += int(loops.sum())
         self.loop_tokens += int(em[loops].sum())
-        self.attempts = list(np.asarray(self.attempts or np.zeros_like(attempts)) + attempts)
-        self.accepts = list(np.asarray(self.accepts or np.zeros_like(accepts)) + accepts)
+        self.attempts = [int(x) for x in (attempts + self.attempts if self.attempts else attempts)]
+        self.accepts = [int(x) for x in (accepts + self.accepts if self.accepts else accepts)]
 
 
 def run_cell(engine: "Engine", prompts: Sequence[str], temperature: float, max_new_tokens: int, bar=None) -> Cell:
@@ -125,8 +125,6 @@ def run_cell(engine: "Engine", prompts: Sequence[str], temperature: float, max_n
         cell.add(r.token_ids, s.emitted, s.attempts, s.accepts)
         if bar is not None:
             bar.update()
-    cell.attempts = [int(x) for x in cell.attempts]
-    cell.accepts = [int(x) for x in cell.accepts]
     return cell
 
 

@@ -131,7 +131,7 @@ def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperat
     identical draft tokens."""
     from dspark.export.bundle import resolve_drafter
 
-    drafter, label = resolve_drafter(smollm2, None)
+    drafter, label, _ = resolve_drafter(smollm2, None)
     assert label == manifest.drafter_label, "the bundle was exported with another drafter than the default"
     ort_be = OrtBackend(default_bundle.path, manifest, 256, drafter_graph="fp32")
     ref = TorchBackend(smollm2.model, drafter, 256)
@@ -228,3 +228,12 @@ def test_chat_over_stdin(default_bundle):
     assert "chatting with" in p.stderr and "τ =" in p.stderr
     reply = p.stdout.replace(">", "").strip()
     assert reply, f"no reply in {p.stdout!r}"
+
+
+def test_torch_backend_accepts_the_default_bundle(default_bundle, manifest):
+    """`dspark validate --backend torch` rebuilds the bundle's sources from `dspark export`'s
+    defaults: the shipped drafter must be recognised by its hash (not taken for "untrained")."""
+    from dspark.export.backends import torch_backend
+
+    backend = torch_backend("torch", manifest, 64, None, None)
+    assert backend.block_size == manifest.drafter.block_size
