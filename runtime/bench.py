@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import InputError
+from .progress import progress
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -210,18 +211,12 @@ def run(bundles: Sequence[str], labels: Sequence[str] | None, datasets: Sequence
     prompts = {name: read_prompts(data_dir, name, n_prompts) for name in datasets}  # bad files fail before loading
     engines = [Engine.load(b, threads=threads) for b in bundles]
     labels = list(labels) if labels else [e.manifest.name for e in engines]
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=len(engines) * len(temperatures) * sum(map(len, prompts.values())), desc="bench",
-                   unit="prompt", dynamic_ncols=True, file=sys.stderr)
-    except ImportError:
-        bar = None
+    bar = progress(len(engines) * len(temperatures) * sum(map(len, prompts.values())), "bench", "prompt")
     results: dict[str, dict[str, dict[str, Cell]]] = {}
     for label, engine in zip(labels, engines):
         results[label] = {f"{t:g}": {name: run_cell(engine, prompts[name], t, max_new_tokens, bar)
                                       for name in datasets} for t in temperatures}
-    if bar is not None:
-        bar.close()
+    bar.close()
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "settings": {"bundles": list(bundles), "labels": labels, "datasets": list(datasets), "prompts": n_prompts,

@@ -19,9 +19,11 @@ from .calibration import CALIBRATION_FILE, Calibration
 from .engine import Engine
 from .errors import InputError
 from .plots import pyplot
+from .progress import progress
 from .prompts import load_train_prompts
 
 MIN_CYCLES = 20
+CHUNK_SLOTS = 8  # prompts per generate_batch call, in units of the slot count
 
 
 @dataclass(frozen=True)
@@ -35,18 +37,23 @@ class CalibrateConfig:
     boots: int = 200  # bootstrap resamples for the intervals
 
 
-def log_cycles(engine: Engine, prompts: list[str], cfg: CalibrateConfig) -> tuple[np.ndarray, np.ndarray]:
+def log_cycles(engine: Engine, prompts: list[str], cfg: CalibrateConfig, bar) -> tuple[np.ndarray, np.ndarray]:
     """Decode with every draft verified -> raw confidence logits [N, γ], drafts accepted [N]
-    (cycles whose ℓ the token budget cut below γ are left out)."""
+    (cycles whose ℓ the token budget cut below γ are left out). Prompts go in chunks of
+    CHUNK_SLOTS·slots so that `bar` moves; requests still join and leave within a chunk."""
     gamma = engine.manifest.drafter.block_size
-    results = engine.generate_batch(prompts, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                    seeds=[cfg.seed + i for i in range(len(prompts))], scheduler="fixed")
     logits, accepted = [], []
-    for r in results:
-        for conf, ell, emitted in zip(r.stats.confidences, r.stats.verified, r.stats.emitted):
-            if ell == gamma:
-                logits.append(conf)
-                accepted.append(emitted - 1)
+    chunk = CHUNK_SLOTS * cfg.slots
+    for lo in range(0, len(prompts), chunk):
+        part = prompts[lo:lo + chunk]
+        results = engine.generate_batch(part, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                        seeds=[cfg.seed + lo + i for i in range(len(part))], scheduler="fixed")
+        for r in results:
+            for conf, ell, emitted in zip(r.stats.confidences, r.stats.verified, r.stats.emitted):
+                if ell == gamma:
+                    logits.append(conf)
+                    accepted.append(emitted - 1)
+        bar.update(len(part))
     return np.array(logits, np.float64).reshape(-1, gamma), np.array(accepted, np.int64)
 
 
@@ -63,8 +70,10 @@ def calibrate(bundle: str | Path, cfg: CalibrateConfig, data: list[str] | None =
     n_held = max(1, min(len(order) - 1, round(cfg.holdout * len(order))))
     held = [pool[i] for i in order[:n_held]]
     fit = [pool[i] for i in order[n_held:]]  # disjoint by construction (pool is de-duplicated)
-    x_fit, y_fit = log_cycles(engine, fit, cfg)
-    x_held, y_held = log_cycles(engine, held, cfg)
+    bar = progress(len(order), "calibrate", "prompt")
+    x_fit, y_fit = log_cycles(engine, fit, cfg, bar)
+    x_held, y_held = log_cycles(engine, held, cfg, bar)
+    bar.close()
     if min(len(x_fit), len(x_held)) < MIN_CYCLES:
         raise InputError(f"only {len(x_fit)} fitting and {len(x_held)} held-out cycles verified all drafts "
                          f"(need {MIN_CYCLES} each): raise --prompts or --max-new-tokens")

@@ -74,6 +74,8 @@ class Engine:
             max_seq = min(2048, limit) if max_seq is None else max_seq
             backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph,
                                   drafter_graph=drafter_graph, slots=slots)
+        if sps is not None:  # the drafter cost of the graph this engine runs
+            sps = sps.for_drafter("int8" if getattr(backend_, "drafter_int8", False) else "fp32")
         return cls(bundle, manifest, backend_, tokenizer, sps, calibration)
 
     def scheduler(self, name: str = "auto", threshold: float = 0.5) -> Scheduler | None:

@@ -14,6 +14,11 @@ from .kv import KVBuffers, row_mask
 from .manifest import Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# The int8 drafter graph drafts one call per busy row (see `OrtBackend.draft`); the fp32 graph
+# one call for all rows. Measured on the 2-core VM (SmolLM2, ms per pass at R busy rows):
+# int8 3.5 / 7.6 / 14.9 / 62.0 and fp32 7.2 / 9.0 / 11.9 / 31.7 at R = 1 / 2 / 4 / 16, so
+# `drafter_graph="auto"` takes int8 up to this many slots and fp32 above.
+INT8_MAX_SLOTS = 2
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -105,7 +110,9 @@ class OrtBackend:
         CPU provider when the bundle has it. drafter_graph: "int8" = matmuls dynamically
         quantized (about 2x faster on CPU; only the proposals change, never the output
         distribution), "fp32" = the exported graph, "auto" = int8 on the CPU provider when
-        the bundle has it."""
+        the bundle has it and `slots` <= INT8_MAX_SLOTS (past that, one batched fp32 call is
+        cheaper than int8 row by row). The choice is per engine, never per step, so a
+        request's proposals do not depend on how many others are in the batch."""
         if provider not in PROVIDERS:
             raise InputError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
         if PROVIDERS[provider] not in ort.get_available_providers():
@@ -149,7 +156,7 @@ class OrtBackend:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
             self.drafter_int8 = "drafter_ort" in manifest.graphs and (
-                drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu"))
+                drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu" and slots <= INT8_MAX_SLOTS))
             drafter = "drafter_ort" if self.drafter_int8 else "drafter"
             self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
                                    self.draft_kv, names,

@@ -73,23 +73,31 @@ class PrefixScheduler:
 
     skip_drafting (beyond the paper): before drafting, predict Θ of a drafted step from the
     previous drafted step's confidences and skip the drafter (one target token per request)
-    when the target alone is predicted faster; a drafted step is forced every `probe_every`
-    steps so that the prediction stays fresh. Decided from older steps only: lossless."""
+    when the target alone is predicted faster. A drafted step (a probe) refreshes the
+    prediction after `probe_every` skipped steps, an interval that doubles with every probe
+    in a row that predicts no gain, up to `probe_every · 2**max_backoff`, so that a large
+    batch where drafting never pays spends almost nothing on probes. Decided from older steps
+    only: lossless."""
 
     calibration: Calibration
     cost: CostModel
     early_stop: bool = True
     skip_drafting: bool = False
     probe_every: int = 8
+    max_backoff: int = 3
     name: str = "prefix"
 
     def should_draft(self, history: History, rows: int) -> bool:
-        if not self.skip_drafting or not history.confidences or history.undrafted >= self.probe_every:
+        if not self.skip_drafting or not history.confidences:
             return True
+        if history.undrafted:  # no newer information than when skipping began: wait for the probe
+            return history.undrafted >= self.probe_every << min(max(history.failed_probes - 1, 0), self.max_backoff)
         a = self.calibration.survival(history.confidences[-1])  # [R_old, γ]
         ells = admit(a, self.cost)
         tau = len(a) + sum(float(a[r, :e].sum()) for r, e in enumerate(ells))
-        return self.cost.theta(tau, ells) > self.cost.theta_alone(len(a))
+        pays = self.cost.theta(tau, ells) > self.cost.theta_alone(len(a))
+        history.failed_probes = 0 if pays else history.failed_probes + 1
+        return pays
 
     def lengths(self, confidence_logits: np.ndarray, history: History) -> np.ndarray:
         return admit(self.calibration.survival(confidence_logits), self.cost, self.early_stop)

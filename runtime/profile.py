@@ -110,18 +110,22 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
         be.prefill(slot, rng.integers(0, V, cfg.context), True)
 
     rows = sorted({r for r in ROW_GRID if r <= cfg.max_slots} | {cfg.max_slots})
-    verify_s, draft_s = {}, {}
+    verify_s = {}
     for R in rows:
         starts = np.full(R, cfg.context, np.int64)
         verify_s[R] = np.array([_median_time(lambda t=rng.integers(0, V, (R, S)): be.target(t, starts), cfg.repeats)
                                 for S in range(1, s_max + 1)])
-        feats = np.zeros((R, DRAFT_CONTEXT_ROWS, manifest.drafter.feature_dim), np.float32)
-        counts = np.full(R, DRAFT_CONTEXT_ROWS)
-        draft_s[R] = np.array([_median_time(lambda: be.draft(feats, counts, starts - counts, np.zeros(R, np.int64),
-                                                             np.zeros(R, np.float32), np.zeros((R, gamma))),
-                                            cfg.repeats)])
     step = _fill_rows(verify_s, cfg.max_slots)  # [R_max, S_max] seconds
-    drafter = _fill_rows(draft_s, cfg.max_slots)[:, 0]  # [R_max]
+    graph = "int8" if getattr(be, "drafter_int8", False) else "fp32"
+    by_graph = {graph: _draft_seconds(be, rows, cfg, manifest.drafter.feature_dim)}
+    if "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
+        # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS)
+        other = "fp32" if graph == "int8" else "int8"
+        kwargs = {**engine_kwargs, "drafter_graph": other}
+        other_be = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False, **kwargs).backend
+        by_graph[other] = _draft_seconds(other_be, rows, cfg, manifest.drafter.feature_dim)
+        del other_be
+    drafter = by_graph[graph]
     by_tokens: dict[int, list[float]] = {}
     for R in range(1, cfg.max_slots + 1):
         for S in range(1, s_max + 1):
@@ -130,7 +134,8 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     mean_s = [float(np.mean(by_tokens[b])) for b in Bs]
     sps = 1.0 / np.interp(np.arange(1, Bs[-1] + 1), Bs, mean_s)  # [B_max]
     table = SpsTable(tuple(float(v) for v in sps), tuple(float(v) for v in drafter),
-                     tuple(tuple(float(1.0 / v) for v in row) for row in step))
+                     tuple(tuple(float(1.0 / v) for v in row) for row in step),
+                     {g: tuple(float(v) for v in d) for g, d in by_graph.items()})
 
     breakdown = {R: phase_breakdown(be, R, cfg, rng) for R in sorted({1, cfg.max_slots})}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -141,6 +146,21 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     path = plot(table, breakdown, s_max, Path(png or bundle / "sps.png"))
     return {"file": str(bundle / SPS_FILE), "png": str(path), "sps": table.sps, "draft_s": table.draft_s,
             "breakdown": breakdown, "rows": rows}
+
+
+def _draft_seconds(be, rows: list[int], cfg: ProfileConfig, F: int) -> np.ndarray:
+    """Seconds per drafter pass at R = 1..max_slots busy rows ([R_max]), each row ingesting
+    DRAFT_CONTEXT_ROWS new context rows after `cfg.context` committed positions."""
+    gamma = be.block_size
+    draft_s = {}
+    for R in rows:
+        starts = np.full(R, cfg.context, np.int64)
+        feats = np.zeros((R, DRAFT_CONTEXT_ROWS, F), np.float32)
+        counts = np.full(R, DRAFT_CONTEXT_ROWS)
+        draft_s[R] = np.array([_median_time(lambda: be.draft(feats, counts, starts - counts, np.zeros(R, np.int64),
+                                                             np.zeros(R, np.float32), np.zeros((R, gamma))),
+                                            cfg.repeats)])
+    return _fill_rows(draft_s, cfg.max_slots)[:, 0]
 
 
 def phase_breakdown(be, R: int, cfg: ProfileConfig, rng: np.random.Generator) -> dict[str, float]:

@@ -22,6 +22,7 @@ class History:
 
     confidences: deque  # raw confidence logits [R_t, γ] of the last drafted steps, oldest first
     undrafted: int = 0  # steps run without drafting since the last drafted one
+    failed_probes: int = 0  # drafted steps in a row after which drafting was predicted not to pay
 
 
 class Scheduler(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +27,13 @@ class SpsTable:
     sps: tuple[float, ...]  # SPS(B) for B = 1..len(sps): steps per second
     draft_s: tuple[float, ...] = ()  # the drafter's seconds per pass at R = 1..len(draft_s) rows
     grid: tuple[tuple[float, ...], ...] = ()  # grid[R-1][S-1]: steps per second at R rows of S tokens
+    # draft_s of each drafter graph profiled ("int8", "fp32"): an engine takes the one it runs
+    draft_by_graph: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.sps or not _all(self.sps, positive=True):
             raise ValueError("sps must be a non-empty list of finite numbers > 0")
-        if not _all(self.draft_s, positive=False):
+        if not all(_all(v, positive=False) for v in (self.draft_s, *self.draft_by_graph.values())):
             raise ValueError("draft_s must hold finite numbers >= 0")
         if not all(isinstance(row, (list, tuple)) and row and _all(row, positive=True) for row in self.grid):
             raise ValueError("grid must be a list of non-empty lists of finite numbers > 0")
@@ -55,9 +57,14 @@ class SpsTable:
             return 0.0
         return self.draft_s[rows - 1] if rows <= n else self.draft_s[-1] * rows / n
 
+    def for_drafter(self, graph: str) -> "SpsTable":
+        """The table with the drafter cost of `graph` when it was profiled (else unchanged)."""
+        return replace(self, draft_s=self.draft_by_graph[graph]) if graph in self.draft_by_graph else self
+
     def save(self, bundle: Path, meta: dict) -> Path:
         path = Path(bundle) / SPS_FILE
         path.write_text(json.dumps({"format": SPS_FORMAT, "sps": list(self.sps), "draft_s": list(self.draft_s),
+                                    "draft_s_by_graph": {k: list(v) for k, v in self.draft_by_graph.items()},
                                     "grid": [list(r) for r in self.grid], "meta": meta}, indent=1) + "\n")
         return path
 
@@ -71,7 +78,8 @@ class SpsTable:
             d = json.loads(path.read_text())
             if d.get("format") != SPS_FORMAT:
                 raise ValueError(f"format is {d.get('format')!r}, expected {SPS_FORMAT}")
-            return cls(tuple(d["sps"]), tuple(d.get("draft_s", ())), tuple(tuple(r) for r in d.get("grid", ())))
+            return cls(tuple(d["sps"]), tuple(d.get("draft_s", ())), tuple(tuple(r) for r in d.get("grid", ())),
+                       {str(k): tuple(v) for k, v in d.get("draft_s_by_graph", {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise BundleError(f"{path} is corrupt ({e}); re-run `dspark profile --bundle {bundle}`") from e
 

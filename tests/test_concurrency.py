@@ -13,6 +13,7 @@ from factories import reference_logits
 
 from dspark.runtime import BundleError, Calibration, Engine, InputError, SpsTable
 from dspark.runtime.cli import main
+from dspark.runtime.ort_backend import INT8_MAX_SLOTS
 from dspark.runtime.parity import greedy_match
 
 PROMPTS = ["Hello there, how are you?", "What is 17 * 23?", "Tell me a story about a dragon.", "Hi",
@@ -110,18 +111,27 @@ def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
         assert m.ok, f"{prompt!r}: {m}"
 
 
+@pytest.mark.parametrize("graph", ["int8", "fp32"])
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
-def test_sampled_batch_follows_each_requests_rng(engines, scheduler):
+def test_sampled_batch_follows_each_requests_rng(profiled, scheduler, graph):
     """Schedulers that decide per request give the very tokens of a solo run with the same seed,
-    also with the int8 drafter (the CPU default), whose per-call activation scale would couple
-    the rows of one batched call: it drafts row by row."""
-    solo_engine, batch_engine = engines
-    assert batch_engine.backend.drafter_int8 and solo_engine.backend.drafter_int8
+    with either drafter graph: the int8 one, whose per-call activation scale would couple the
+    rows of one batched call, drafts row by row; the fp32 one drafts all rows in one call."""
+    solo_engine = Engine.load(profiled, max_seq=MAX_SEQ, drafter_graph=graph)
+    batch_engine = Engine.load(profiled, max_seq=MAX_SEQ, slots=SLOTS, drafter_graph=graph)
+    assert batch_engine.backend.drafter_int8 == solo_engine.backend.drafter_int8 == (graph == "int8")
     batch = batch_engine.generate_batch(PROMPTS, max_new_tokens=30, temperature=1.0, seeds=[7, 8, 9, 10, 11],
                                         scheduler=scheduler)
     for prompt, seed, got in zip(PROMPTS, [7, 8, 9, 10, 11], batch):
         alone = solo_engine.generate(prompt, max_new_tokens=30, temperature=1.0, seed=seed, scheduler=scheduler)
         assert got.token_ids == alone.token_ids, f"{prompt!r}"
+
+
+def test_auto_drafter_graph_follows_the_slot_count(engines):
+    """int8 row by row while it is the cheaper (at most INT8_MAX_SLOTS slots), one fp32 call above."""
+    solo_engine, batch_engine = engines
+    assert SLOTS > INT8_MAX_SLOTS
+    assert solo_engine.backend.drafter_int8 and not batch_engine.backend.drafter_int8
 
 
 def test_kv_buffers_sized_at_load(engines):

@@ -42,6 +42,9 @@ def test_profile_then_calibrate(bundle, data, capsys):
     gamma = 4
     assert len(table.sps) == 3 * (gamma + 1) and len(table.draft_s) == 3 and len(table.grid) == 3
     assert (bundle / "sps.png").stat().st_size > 0
+    assert sorted(table.draft_by_graph) == ["fp32", "int8"]  # 3 slots run fp32; a solo engine runs int8
+    assert table.draft_s == table.draft_by_graph["fp32"]
+    assert Engine.load(bundle, max_seq=128).sps.draft_s == table.draft_by_graph["int8"]
     assert main(["calibrate", "--bundle", str(bundle), "--prompts", "16", "--max-new-tokens", "32",
                  "--data", str(data), "--threads", "1"]) == 0
     out = capsys.readouterr().out

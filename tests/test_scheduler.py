@@ -216,3 +216,26 @@ def test_drafter_gate_uses_only_older_steps():
     assert gate.should_draft(history(weak, undrafted=4), 1)  # a probe, to refresh the estimate
     assert PrefixScheduler(cal, fast, skip_drafting=True).should_draft(history(strong), 1)
     assert PrefixScheduler(cal, slow).should_draft(history(weak), 1)  # gate off
+
+
+def test_drafter_gate_backs_off_while_drafting_does_not_pay():
+    """Probes come after 4, 8, 16, 16 skipped steps while each predicts no gain; one that
+    predicts a gain resets the interval."""
+    cal = Calibration.identity(3)
+    slow = CostModel(SpsTable((1.0, 0.9, 0.85, 0.8), (0.5,)), drafter=True)
+    gate = PrefixScheduler(cal, slow, skip_drafting=True, probe_every=4, max_backoff=2)
+    h = history(np.full((1, 3), -3.0))
+
+    intervals = []
+    for _ in range(4):
+        assert not gate.should_draft(h, 1)
+        n = 1
+        h.undrafted = n
+        while not gate.should_draft(h, 1):
+            n += 1
+            h.undrafted = n
+        intervals.append(n)
+        h.undrafted = 0  # the probe drafted
+    assert intervals == [4, 8, 16, 16]
+    h.confidences.append(np.full((1, 3), 8.0))  # the probe's drafts were strong
+    assert gate.should_draft(h, 1) and h.failed_probes == 0
