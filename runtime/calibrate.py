@@ -98,13 +98,17 @@ def reliability_diagram(logits: np.ndarray, accepted: np.ndarray, temps: np.ndar
     y = sts.outcomes(accepted, gamma)
     fig, axes = plt.subplots(1, gamma, figsize=(2.6 * gamma, 2.8), squeeze=False)
     for k, ax in enumerate(axes[0]):
+        top = 0.0  # the axes end just past the largest bin mean: deep positions live near 0
         for t, label, style in ((np.ones_like(temps), "raw", "o--"), (temps, "STS", "s-")):
             a = sts.survival(logits, t)[:, k]
             bins = np.array_split(np.argsort(a, kind="stable"), min(sts.BINS, len(a)))
-            ax.plot([a[b].mean() for b in bins], [y[b, k].mean() for b in bins], style, ms=3,
-                    label=f"{label} ECE {sts.ece(a, y[:, k]):.3f}")
-        ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
-        ax.set(title=f"position {k + 1}", xlabel="predicted a_k", xlim=(0, 1), ylim=(0, 1))
+            xs, ys = [a[b].mean() for b in bins], [y[b, k].mean() for b in bins]
+            top = max(top, *xs, *ys)
+            ax.plot(xs, ys, style, ms=3, label=f"{label} ECE {sts.ece(a, y[:, k]):.4f}")
+        lim = min(1.0, max(0.01, 1.1 * top))
+        ax.plot([0, lim], [0, lim], color="grey", lw=0.8)
+        ax.set(title=f"position {k + 1} (P = {y[:, k].mean():.3f})", xlabel="predicted a_k", xlim=(0, lim),
+               ylim=(0, lim))
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("observed prefix accepted")
     fig.suptitle("reliability (held-out cycles)", fontsize=9)

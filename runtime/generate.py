@@ -99,7 +99,9 @@ class _Active:
     t_join: float
     anchor: int = 0  # the last emitted token, at position `start`
     start: int = 0
-    ctx: np.ndarray | None = None  # [start - ctx_start, F] target features not yet fed to the drafter
+    # target features not yet fed to the drafter, [rows, F] chunks: start - ctx_start rows in all
+    # (a list, so that steps without drafting append in O(1))
+    ctx: list[np.ndarray] = field(default_factory=list)
     out: list[int] = field(default_factory=list)
     done: str = ""  # the finish reason once finished
 
@@ -172,7 +174,7 @@ def _prefill(backend: Backend, slot: int, index: int, requests: Sequence[Request
     logits, feats = backend.prefill(slot, np.asarray(req.prompt_ids, dtype=np.int64), speculative)  # [V], [1, F]
     a.anchor = sample_token(logits, req.params.temperature, a.rng.random())
     a.start = len(req.prompt_ids)
-    a.ctx = feats if speculative else None  # the drafter has positions 0..n-2; row n-1 comes next
+    a.ctx = [feats] if speculative else []  # the drafter has positions 0..n-2; row n-1 comes next
     a.stats.times["prefill"] = time.perf_counter() - t0
     a.commit([a.anchor])
     return a
@@ -196,7 +198,7 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
             a.anchor = sample_token(logits[s, 0], a.request.params.temperature, a.rng.random())
             a.start += 1
             if speculative:
-                a.ctx = np.concatenate([a.ctx, feats[s]])
+                a.ctx.append(feats[s])
             _record(a, 0, 0, R, decode=t1 - t0)
             a.commit([a.anchor])
         history.undrafted += 1
@@ -205,10 +207,10 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     u = np.zeros((B, 2 * gamma + 1))  # [B, 2γ+1] draft draws, acceptance draws, the emitted token's draw
     u[rows] = [a.rng.random(2 * gamma + 1) for a in act]
     counts = np.zeros(B, np.int64)  # [B] new context rows per slot
-    counts[rows] = [len(a.ctx) for a in act]
-    features = np.zeros((B, counts.max(), act[0].ctx.shape[1]), np.float32)  # [B, n, F] right-padded
+    counts[rows] = [sum(map(len, a.ctx)) for a in act]
+    features = np.zeros((B, counts.max(), act[0].ctx[0].shape[1]), np.float32)  # [B, n, F] right-padded
     for s, a in zip(rows, act):
-        features[s, :len(a.ctx)] = a.ctx
+        features[s, :counts[s]] = np.concatenate(a.ctx)
     anchors = np.zeros(B, np.int64)
     anchors[rows] = [a.anchor for a in act]
     temps = np.zeros(B)  # [B] float64, as the host acceptance rule gets them
@@ -244,7 +246,7 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
         a.stats.confidences.append(conf[i])
         _record(a, ell, acc, R, draft=t1 - t0, verify=t3 - t2)
         a.commit([int(t) for t in draft.tokens[s, :acc]] + [token])
-        a.ctx, a.start, a.anchor = feats[s, :acc + 1], a.start + acc + 1, token
+        a.ctx, a.start, a.anchor = [feats[s, :acc + 1]], a.start + acc + 1, token
 
 
 def _accept(draft: Draft, logits: np.ndarray, rows: list[int], lengths: np.ndarray, temps: np.ndarray,

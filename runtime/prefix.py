@@ -5,6 +5,7 @@ smaller j (so each request's admitted slots form a prefix: a_{r,j} is non-increa
 j) and then by the smaller slot index r."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,24 +75,30 @@ class PrefixScheduler:
     skip_drafting (beyond the paper): before drafting, predict Θ of a drafted step from the
     previous drafted step's confidences and skip the drafter (one target token per request)
     when the target alone is predicted faster. A drafted step (a probe) refreshes the
-    prediction after `probe_every` skipped steps, an interval that doubles with every probe
-    in a row that predicts no gain, up to `probe_every · 2**max_backoff`, so that a large
-    batch where drafting never pays spends almost nothing on probes. Decided from older steps
-    only: lossless."""
+    prediction after `probe_every` skipped steps, or `probe_every` times the drafter's cost in
+    target steps where a drafter pass costs more than one step; the interval doubles with every
+    probe in a row that predicts no gain, up to 2**max_backoff times, so that a large batch
+    where drafting never pays spends little on probes. Decided from older steps only: lossless."""
 
     calibration: Calibration
     cost: CostModel
     early_stop: bool = True
     skip_drafting: bool = False
     probe_every: int = 8
-    max_backoff: int = 3
+    max_backoff: int = 4
     name: str = "prefix"
+
+    def probe_interval(self, history: History, rows: int) -> int:
+        """Skipped steps before the next probe."""
+        drafter_in_steps = self.cost.sps.draft_time(rows) * self.cost.sps.rate(rows, 1)
+        base = math.ceil(self.probe_every * max(1.0, drafter_in_steps))
+        return base << min(max(history.failed_probes - 1, 0), self.max_backoff)
 
     def should_draft(self, history: History, rows: int) -> bool:
         if not self.skip_drafting or not history.confidences:
             return True
         if history.undrafted:  # no newer information than when skipping began: wait for the probe
-            return history.undrafted >= self.probe_every << min(max(history.failed_probes - 1, 0), self.max_backoff)
+            return history.undrafted >= self.probe_interval(history, rows)
         a = self.calibration.survival(history.confidences[-1])  # [R_old, γ]
         ells = admit(a, self.cost)
         tau = len(a) + sum(float(a[r, :e].sum()) for r, e in enumerate(ells))

@@ -54,14 +54,19 @@ def available_memory() -> int | None:
     return None
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _interleaved_medians(calls: dict, repeats: int) -> dict:
+    """{key: fn} -> {key: median seconds of fn()}, timed in `repeats` rounds that each call every
+    fn once (after a warm-up round), so that a slow or fast phase of a shared machine falls on
+    every shape alike instead of skewing the one measured during it."""
+    for fn in calls.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict = {k: [] for k in calls}
+    for _ in range(repeats):
+        for key, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _fill_rows(measured: dict[int, np.ndarray], max_slots: int) -> np.ndarray:
@@ -110,22 +115,28 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
         be.prefill(slot, rng.integers(0, V, cfg.context), True)
 
     rows = sorted({r for r in ROW_GRID if r <= cfg.max_slots} | {cfg.max_slots})
-    verify_s = {}
-    for R in rows:
-        starts = np.full(R, cfg.context, np.int64)
-        verify_s[R] = np.array([_median_time(lambda t=rng.integers(0, V, (R, S)): be.target(t, starts), cfg.repeats)
-                                for S in range(1, s_max + 1)])
-    step = _fill_rows(verify_s, cfg.max_slots)  # [R_max, S_max] seconds
-    graph = "int8" if getattr(be, "drafter_int8", False) else "fp32"
-    by_graph = {graph: _draft_seconds(be, rows, cfg, manifest.drafter.feature_dim)}
+    drafters = {"int8" if getattr(be, "drafter_int8", False) else "fp32": be}
     if "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
         # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS)
-        other = "fp32" if graph == "int8" else "int8"
-        kwargs = {**engine_kwargs, "drafter_graph": other}
-        other_be = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False, **kwargs).backend
-        by_graph[other] = _draft_seconds(other_be, rows, cfg, manifest.drafter.feature_dim)
-        del other_be
-    drafter = by_graph[graph]
+        other = "fp32" if "int8" in drafters else "int8"
+        drafters[other] = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False,
+                                      **{**engine_kwargs, "drafter_graph": other}).backend
+    calls = {}
+    for R in rows:
+        starts = np.full(R, cfg.context, np.int64)
+        for S in range(1, s_max + 1):
+            calls["verify", R, S] = lambda t=rng.integers(0, V, (R, S)), st=starts: be.target(t, st)
+        feats = np.zeros((R, DRAFT_CONTEXT_ROWS, manifest.drafter.feature_dim), np.float32)
+        counts = np.full(R, DRAFT_CONTEXT_ROWS)  # each row ingests a typical round's new context rows
+        for graph, b in drafters.items():
+            calls[graph, R] = lambda b=b, f=feats, c=counts, st=starts, R=R: b.draft(
+                f, c, st - c, np.zeros(R, np.int64), np.zeros(R, np.float32), np.zeros((R, gamma)))
+    seconds = _interleaved_medians(calls, cfg.repeats)
+    step = _fill_rows({R: np.array([seconds["verify", R, S] for S in range(1, s_max + 1)]) for R in rows},
+                      cfg.max_slots)  # [R_max, S_max] seconds
+    by_graph = {g: _fill_rows({R: np.array([seconds[g, R]]) for R in rows}, cfg.max_slots)[:, 0]
+                for g in drafters}  # [R_max] seconds per drafter pass
+    drafter = next(iter(by_graph.values()))  # the graph of this engine
     by_tokens: dict[int, list[float]] = {}
     for R in range(1, cfg.max_slots + 1):
         for S in range(1, s_max + 1):
@@ -146,21 +157,6 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     path = plot(table, breakdown, s_max, Path(png or bundle / "sps.png"))
     return {"file": str(bundle / SPS_FILE), "png": str(path), "sps": table.sps, "draft_s": table.draft_s,
             "breakdown": breakdown, "rows": rows}
-
-
-def _draft_seconds(be, rows: list[int], cfg: ProfileConfig, F: int) -> np.ndarray:
-    """Seconds per drafter pass at R = 1..max_slots busy rows ([R_max]), each row ingesting
-    DRAFT_CONTEXT_ROWS new context rows after `cfg.context` committed positions."""
-    gamma = be.block_size
-    draft_s = {}
-    for R in rows:
-        starts = np.full(R, cfg.context, np.int64)
-        feats = np.zeros((R, DRAFT_CONTEXT_ROWS, F), np.float32)
-        counts = np.full(R, DRAFT_CONTEXT_ROWS)
-        draft_s[R] = np.array([_median_time(lambda: be.draft(feats, counts, starts - counts, np.zeros(R, np.int64),
-                                                             np.zeros(R, np.float32), np.zeros((R, gamma))),
-                                            cfg.repeats)])
-    return _fill_rows(draft_s, cfg.max_slots)[:, 0]
 
 
 def phase_breakdown(be, R: int, cfg: ProfileConfig, rng: np.random.Generator) -> dict[str, float]:

@@ -6,8 +6,9 @@
     prefix     Algorithm 1 with the causal early stop (dspark.md §5)
     async      the asynchronous variant: capacity from confidences two steps old, top-K admission
     cost       prefix + the drafter's cost in Θ + skipping the drafter when it does not pay
-    auto       prefix when the bundle has an SPS table (`dspark profile`) and a calibration
-               (`dspark calibrate`); otherwise a warning and `fixed`
+    auto       when the bundle has an SPS table (`dspark profile`) and a calibration (`dspark
+               calibrate`): cost if the table has the drafter's cost (profiles since it was
+               measured), else prefix; otherwise a warning and `fixed`
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def make_scheduler(name: str, threshold: float = 0.5, sps: SpsTable | None = Non
             warnings.warn(f"bundle {bundle} lacks {missing}: scheduling falls back to `fixed` (verify all γ drafts)",
                           stacklevel=2)
             return FixedLength()
-        name = "prefix"
+        name = "cost" if sps.draft_s else "prefix"
     if name == "none":
         return None
     if name == "fixed":

@@ -4,13 +4,16 @@ served at once, R ∈ {1, 2, 4, 8, 16, 32}, for
 
   none   the target alone on the bundle's engine
   fixed  DSpark verifying all γ drafts
-  auto   DSpark with the default scheduler (Algorithm 1 when the bundle has sps.json and
-         calibration.json, from `dspark profile` and `dspark calibrate`; else `fixed`, with a warning)
+  auto   DSpark with the default scheduler (Algorithm 1 with the drafter's cost and the drafter
+         gate, `cost`, when the bundle has sps.json and calibration.json from `dspark profile`
+         and `dspark calibrate`; else `fixed`, with a warning)
 
 side by side, greedy, over GSM8K and MT-Bench prompts (first turn). Each R level serves
 2·R requests (at least --min-requests) through R slots, so requests join and leave;
-the contenders run one after the other on the same engine after a warm-up. Greedy
-outputs at R > 1 are compared with the same scheduler's R = 1 outputs.
+the contenders run one after the other on the same engine after a warm-up, in --rounds
+rounds of alternating order (A B C, C B A, ...) so that a drift of a shared machine's speed
+falls on all of them; tokens/s pools the rounds. Greedy outputs at R > 1 are compared with
+the same scheduler's R = 1 outputs.
 
     python scripts/bench_concurrency.py --bundle engines/smollm2 --out /tmp/conc.json --png /tmp/conc.png
 
@@ -46,22 +49,30 @@ def load_prompts(data_dir: Path, n: int) -> list[str]:
 
 
 def run_level(engine: Engine, prompts: list[str], scheduler: str, max_new_tokens: int) -> dict:
+    """One pass of `prompts` through the engine's slots under `scheduler` (after a warm-up)."""
     engine.generate_batch(prompts[:engine.backend.slots], max_new_tokens=8, scheduler=scheduler)  # warm-up
     t0 = time.perf_counter()
     results = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, scheduler=scheduler)
-    wall = time.perf_counter() - t0
+    return {"wall_s": time.perf_counter() - t0, "results": results}
+
+
+def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
+    """Figures of one contender at one level, pooled over its rounds (tokens/s = Σ tokens / Σ wall)."""
+    results = [r for run in runs for r in run["results"]]
     tokens = [len(r.token_ids) for r in results]
-    drafted = [r.stats for r in results if r.stats.verified]
+    stats = [r.stats for r in results if r.stats.verified]
     return {
         "scheduler": scheduler, "resolved": getattr(engine.scheduler(scheduler), "name", "none"),
-        "requests": len(prompts), "tokens": int(sum(tokens)), "wall_s": wall,
-        "total_tok_s": sum(tokens) / wall,
+        "requests": len(runs[0]["results"]), "rounds": len(runs), "tokens": int(sum(tokens)),
+        "wall_s": sum(run["wall_s"] for run in runs),
+        "total_tok_s": sum(tokens) / sum(run["wall_s"] for run in runs),
+        "round_total_tok_s": [sum(len(r.token_ids) for r in run["results"]) / run["wall_s"] for run in runs],
         "per_request_tok_s": float(np.mean([r.stats.to_dict(n)["tokens_per_s"] for r, n in zip(results, tokens)])),
-        "tau": float(np.mean([s.tau for s in drafted])) if drafted else 1.0,
-        "mean_verified": float(np.mean([v for s in drafted for v in s.verified])) if drafted else 0.0,
-        "drafted_share": float(sum(s.drafted for s in drafted) / max(1, sum(s.cycles for s in drafted))),
+        "tau": float(np.mean([s.tau for s in stats])) if stats else 1.0,
+        "mean_verified": float(np.mean([v for s in stats for v in s.verified])) if stats else 0.0,
+        "drafted_share": float(sum(s.drafted for s in stats) / max(1, sum(s.cycles for s in stats))),
         "mean_batch": float(np.mean([b for r in results for b in r.stats.batch])),
-        "token_ids": [r.token_ids for r in results],
+        "token_ids": [r.token_ids for r in runs[0]["results"]],
     }
 
 
@@ -92,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedulers", default="none,fixed,auto", help="contenders (default none,fixed,auto)")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument("--rounds", type=int, default=2, help="runs of every contender per level, in alternating "
+                   "order (default 2: A B C then C B A); tokens/s pools them")
     p.add_argument("--max-seq", type=int, default=1024, help="KV positions per slot (default 1024)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime threads")
     p.add_argument("--out", type=Path, default=None, help="write every figure to this JSON file")
@@ -107,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     for R in Rs:
         engine = Engine.load(args.bundle, max_seq=args.max_seq, slots=R, threads=args.threads)
         n = max(2 * R, args.min_requests)
+        runs: dict[str, list[dict]] = {name: [] for name in schedulers}
+        for k in range(args.rounds):  # A B C, then C B A, ...: a drift of the machine hits every contender
+            for name in (schedulers if k % 2 == 0 else schedulers[::-1]):
+                runs[name].append(run_level(engine, prompts[:n], name, args.max_new_tokens))
         levels[R] = {}
         for name in schedulers:
-            level = run_level(engine, prompts[:n], name, args.max_new_tokens)
+            level = summarize(engine, name, runs[name])
             base = levels[Rs[0]][name]["token_ids"] if R != Rs[0] else level["token_ids"]
             level["identical_to_first_level"] = sum(a == b for a, b in zip(base, level["token_ids"]))
             levels[R][name] = level
@@ -118,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{level['total_tok_s']:>12.1f} {level['per_request_tok_s']:>14.1f} {level['tau']:>5.2f} "
                   f"{level['mean_verified']:>5.2f} {level['mean_batch']:>6.1f} "
                   f"{level['identical_to_first_level']:>8}/{compared}", flush=True)
+        if {"none", "fixed"} <= set(levels[R]):
+            best = max(levels[R]["none"]["total_tok_s"], levels[R]["fixed"]["total_tok_s"])
+            print("    total tok/s / best of (none, fixed): " + ", ".join(
+                f"{name} {lv['total_tok_s'] / best:.3f}x" for name, lv in levels[R].items()
+                if name not in ("none", "fixed")), flush=True)
         del engine
     if args.png:
         plot(levels, args.png)

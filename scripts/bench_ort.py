@@ -2,7 +2,7 @@
 """Benchmark, side by side on this CPU (batch 1, greedy):
 
   (a) the target alone on the bundle's ONNX Runtime engine  (engine.generate(..., scheduler="none"))
-  (b) DSpark on the same engine                             (scheduler "fixed", optionally "threshold")
+  (b) DSpark on the same engine                             (scheduler "fixed", "threshold", or any of --schedulers)
   (c) transformers `generate` on the same model             (the GGUF the bundle was exported from)
 
 over the first N prompts of GSM8K and of MT-Bench (first turn), run interleaved per prompt
@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
+
+from dspark.runtime.schedulers import NAMES as SCHEDULERS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gsm8k", "mt-bench")
@@ -491,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-prompts", type=int, default=5, help="prompts per dataset (default 5)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request (default 256)")
     p.add_argument("--schedulers", default="fixed,threshold",
-                   help="DSpark schedulers to run, comma-separated: fixed, threshold (default both)")
+                   help="DSpark schedulers to run, comma-separated (default fixed,threshold): fixed, threshold, "
+                        "prefix, async, cost, auto; prefix, async and cost need the bundle's sps.json and "
+                        "calibration.json (`dspark profile`, `dspark calibrate`)")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold scheduler")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="ORT intra-op threads and torch threads (default: every core)")
@@ -506,8 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     bundle = args.bundle if args.bundle.is_absolute() or args.bundle.exists() else ROOT / args.bundle
     schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
     for s in schedulers:
-        if s not in ("fixed", "threshold"):
-            raise SystemExit(f"unknown scheduler {s!r}")
+        if s not in SCHEDULERS or s == "none":
+            raise SystemExit(f"unknown DSpark scheduler {s!r}; choose from {', '.join(n for n in SCHEDULERS if n != 'none')}")
 
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),

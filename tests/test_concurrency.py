@@ -147,7 +147,9 @@ def test_kv_buffers_sized_at_load(engines):
 
 def test_auto_scheduler(tiny_bundle, engines):
     solo_engine, _ = engines
-    assert solo_engine.scheduler("auto").name == "prefix"
+    assert solo_engine.scheduler("auto").name == "cost"  # the table has the drafter's cost
+    assert Engine(tiny_bundle.path, solo_engine.manifest, solo_engine.backend, solo_engine.tokenizer,
+                  SpsTable(SPS.sps), solo_engine.calibration).scheduler("auto").name == "prefix"
     bare = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ)
     with pytest.warns(UserWarning, match="dspark profile.*dspark calibrate.*falls back to `fixed`"):
         r = bare.generate(PROMPTS[0], max_new_tokens=20)

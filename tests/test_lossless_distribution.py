@@ -378,8 +378,9 @@ R4_TABLES = {"auto": R4_TABLE, "async": R4_TABLE, "cost": SpsTable(R4_TABLE.sps,
 def test_four_requests_at_once_match_the_target_distribution(models, tables, name):
     """Each request's first K tokens, with 4 requests sharing every drafter and verification pass
     under the default scheduler (`auto`: Algorithm 1 when the bundle has an SPS table and a
-    calibration), its asynchronous variant and the cost-aware one (which also skips the drafter
-    for whole steps), follow the target's distribution."""
+    calibration; `cost` when the table also has the drafter's cost, as `dspark profile` writes
+    it), its asynchronous variant and the cost-aware one (which also skips the drafter for
+    whole steps), follow the target's distribution."""
     scheduler = make_scheduler(name, sps=R4_TABLES[name], calibration=Calibration.identity(GAMMA))
     assert scheduler.name == {"auto": "prefix"}.get(name, name)
     backend = TorchBackend(*models, max_seq=32, slots=R4)

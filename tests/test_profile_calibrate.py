@@ -54,7 +54,7 @@ def test_profile_then_calibrate(bundle, data, capsys):
     assert meta["fit_prompts"] == meta["held_out_prompts"] == 8 and len(cal.temperatures) == gamma
     assert (bundle / "calibration.png").stat().st_size > 0
     engine = Engine.load(bundle, max_seq=128)
-    assert engine.scheduler("auto").name == "prefix"
+    assert engine.scheduler("auto").name == "cost"  # the profile measured the drafter's cost
     assert engine.generate("Hi", max_new_tokens=8).token_ids == engine.generate("Hi", max_new_tokens=8,
                                                                                  scheduler="none").token_ids
 
