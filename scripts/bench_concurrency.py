@@ -77,18 +77,27 @@ def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
 
 
 def plot(levels: dict[int, dict[str, dict]], path: Path) -> None:
+    """Total throughput against per-request speed (each point an R), and the mean verified
+    length against R."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     Rs = sorted(levels)
     for name in levels[Rs[0]]:
-        for ax, key in zip(axes, ("total_tok_s", "per_request_tok_s", "mean_verified")):
-            ax.plot(Rs, [levels[R][name][key] for R in Rs], "o-", ms=4, label=f"{name} ({levels[Rs[0]][name]['resolved']})")
-    for ax, title in zip(axes, ("total tokens/s", "per-request tokens/s", "mean verified length ℓ")):
-        ax.set(xlabel="concurrent requests R", title=title, xscale="log", xticks=Rs, xticklabels=[str(r) for r in Rs])
+        label = f"{name} ({levels[Rs[0]][name]['resolved']})"
+        x = [levels[R][name]["per_request_tok_s"] for R in Rs]
+        y = [levels[R][name]["total_tok_s"] for R in Rs]
+        ax1.plot(x, y, "o-", ms=4, label=label)
+        for R, xi, yi in zip(Rs, x, y):
+            ax1.annotate(f"R={R}", (xi, yi), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax2.plot(Rs, [levels[R][name]["mean_verified"] for R in Rs], "o-", ms=4, label=label)
+    ax1.set(xlabel="per-request tokens/s", ylabel="total tokens/s", title="throughput against per-request speed")
+    ax2.set(xlabel="concurrent requests R", ylabel="mean verified length ℓ", title="mean verified length",
+            xscale="log", xticks=Rs, xticklabels=[str(r) for r in Rs])
+    for ax in (ax1, ax2):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

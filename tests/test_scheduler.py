@@ -220,11 +220,11 @@ def test_drafter_gate_uses_only_older_steps():
 
 def test_drafter_gate_backs_off_while_drafting_does_not_pay():
     """Probes come after 4, 8, 16, 16 skipped steps while each predicts no gain (a drafter
-    pass costs half a step: the base interval is probe_every); one that predicts a gain resets
-    the interval. A drafter dearer than a step stretches the base interval in proportion."""
+    pass costs half a step, probe_every 8: a base interval of 4); one that predicts a gain
+    resets the interval. The base interval follows the drafter's cost in steps."""
     cal = Calibration.identity(3)
     slow = CostModel(SpsTable((1.0, 0.9, 0.85, 0.8), (0.5,)), drafter=True)
-    gate = PrefixScheduler(cal, slow, skip_drafting=True, probe_every=4, max_backoff=2)
+    gate = PrefixScheduler(cal, slow, skip_drafting=True, probe_every=8, max_backoff=2)
     h = history(np.full((1, 3), -3.0))
 
     intervals = []
@@ -242,3 +242,5 @@ def test_drafter_gate_backs_off_while_drafting_does_not_pay():
     assert gate.should_draft(h, 1) and h.failed_probes == 0
     dear = CostModel(SpsTable((1.0, 0.9, 0.85, 0.8), (2.5,)), drafter=True)  # a pass: 2.5 steps
     assert PrefixScheduler(cal, dear, skip_drafting=True, probe_every=4).probe_interval(h, 1) == 10
+    cheap = CostModel(SpsTable((1.0, 0.9, 0.85, 0.8), (0.01,)), drafter=True)
+    assert PrefixScheduler(cal, cheap, skip_drafting=True).probe_interval(h, 1) == 1
