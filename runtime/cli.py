@@ -45,8 +45,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     p.add_argument("--scheduler", default="auto", choices=list(NAMES),
-                   help="verification length: auto (default) = prefix when the bundle has an SPS table and a "
-                        "calibration, else fixed with a warning; fixed = all γ drafts; threshold = up to the first "
+                   help="verification length: auto (default) = cost when the bundle has an SPS table (with the "
+                        "drafter's cost, as `dspark profile` writes it; prefix without) and a calibration, else "
+                        "fixed with a warning; fixed = all γ drafts; threshold = up to the first "
                         "raw confidence below --threshold; prefix = Algorithm 1 (dspark.md §5); async = its "
                         "asynchronous variant; cost = prefix + drafter cost + skipping the drafter when it does "
                         "not pay; none = the target alone")
