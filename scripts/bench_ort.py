@@ -4,6 +4,7 @@
   (a) the target alone on the bundle's ONNX Runtime engine  (engine.generate(..., scheduler="none"))
   (b) DSpark on the same engine                             (scheduler "fixed", "threshold", or any of --schedulers)
   (c) transformers `generate` on the same model             (the GGUF the bundle was exported from)
+  (d) llama.cpp on that GGUF, as it is (Q4_1 weights)        (llama-cpp-python, when it is installed)
 
 over the first N prompts of GSM8K and of MT-Bench (first turn), run interleaved per prompt
 (a, b, c for prompt 1, then prompt 2, ...) after one warm-up of each contender.
@@ -69,7 +70,7 @@ def cpu_model() -> str:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for name in ("onnxruntime", "numpy", "transformers", "torch", "onnx", "tokenizers"):
+    for name in ("onnxruntime", "numpy", "transformers", "torch", "onnx", "tokenizers", "llama_cpp"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
@@ -204,6 +205,18 @@ def run_transformers(model, torch, gen_config, ids: list[int], dataset: str, ind
     stops = set(gen_config.eos_token_id)
     reason = "stop" if new and new[-1] in stops else "length"
     return Run("transformers", dataset, index, len(ids), len(new), wall, reason, new)
+
+
+def run_llama(llm, ids: list[int], n_new: int, stops: set[int], dataset: str, index: int) -> Run:
+    """Greedy llama.cpp (top-k 1, no repetition penalty) from the same prompt token ids."""
+    new: list[int] = []
+    t0 = time.perf_counter()
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        new.append(int(tok))
+        if tok in stops or len(new) >= n_new:
+            break
+    wall = time.perf_counter() - t0
+    return Run("llama.cpp", dataset, index, len(ids), len(new), wall, "stop" if new[-1] in stops else "length", new)
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -508,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ORT intra-op threads and torch threads (default: every core)")
     p.add_argument("--max-seq", type=int, default=2048, help="engine KV positions (default 2048)")
     p.add_argument("--no-transformers", action="store_true", help="skip contender (c)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip contender (d), run when llama-cpp-python "
+                   "is installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python: about 8 minutes here)")
     p.add_argument("--floor-matmuls", type=int, default=96, help="GEMVs in the ORT weight-read graph (default 96)")
     p.add_argument("--floor-reps", type=int, default=25, help="timed repetitions of each floor measurement")
     p.add_argument("--profile-passes", type=int, default=3, help="passes over the captured drafter calls "
@@ -567,10 +582,26 @@ def main(argv: list[str] | None = None) -> int:
         gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, num_beams=1,
                                       eos_token_id=stops, pad_token_id=stops[0])
 
-    contenders = ["target"] + [f"dspark-{s}" for s in schedulers] + ([] if args.no_transformers else ["transformers"])
+    llm = None
+    if not args.no_llama_cpp:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            print("llama.cpp: llama-cpp-python is not installed, contender (d) skipped")
+        else:
+            from dspark.export import default_target_path
+
+            gguf = gguf or default_target_path()
+            llm = Llama(model_path=str(gguf), n_ctx=args.max_seq, n_threads=args.threads, n_batch=512, verbose=False)
+            print(f"llama.cpp {gguf.name} as it is (its own quantized kernels), {args.threads} threads")
+
+    contenders = (["target"] + [f"dspark-{s}" for s in schedulers] + ([] if args.no_transformers else ["transformers"])
+                  + ([] if llm is None else ["llama.cpp"]))
     sched_of = {"target": "none", **{f"dspark-{s}": s for s in schedulers}}
 
     def one(name: str, prompt: str, n_new: int, dataset: str, index: int) -> Run:
+        if name == "llama.cpp":
+            return run_llama(llm, engine.encode(prompt), n_new, set(m.stop_token_ids), dataset, index)
         if name == "transformers":
             gen_config.max_new_tokens = n_new
             return run_transformers(model, torch, gen_config, engine.encode(prompt), dataset, index)
@@ -689,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     line = lambda label, vals, fmt="{:>14.2f}": print(f"{label:<34}" + "".join(  # noqa: E731
         (fmt.format(v) if isinstance(v, (int, float)) and v == v else f"{'—':>{W}}") for v in vals))
     label_of = {"target": "(a) target alone, ORT", "transformers": "(c) transformers generate",
+                "llama.cpp": "(d) llama.cpp, Q4_1 GGUF",
                 **{f"dspark-{s}": f"(b) DSpark {s}, ORT" for s in schedulers}}
     n_runs = len(work)
     print()
@@ -708,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
             line(f"  DSpark {s} / transformers", [ratio(c, name, "transformers") for c in cols], "{:>13.3f}x")
     if not args.no_transformers:
         line("  target alone / transformers", [ratio(c, "target", "transformers") for c in cols], "{:>13.3f}x")
+    if llm is not None:
+        for name in contenders[:-1]:
+            if name != "transformers":
+                line(f"  {label_of[name][4:].replace(', ORT', '')} / llama.cpp",
+                     [ratio(c, name, "llama.cpp") for c in cols], "{:>13.3f}x")
     for s in schedulers:
         name = f"dspark-{s}"
         line(f"τ (tokens per cycle), {s}", [res[c][name].get("tau", float("nan")) for c in cols], "{:>14.3f}")
@@ -740,11 +777,13 @@ def main(argv: list[str] | None = None) -> int:
         bad = [e for e in es if not e["identical"]]
         print(f"  DSpark {s}: identical on {len(es) - len(bad)}/{len(es)} prompts"
               + "".join(f"\n    {e['dataset']}[{e['index']}]: {e['verdict']}" for e in bad))
-    if not args.no_transformers:
-        es = [e for e in lossless if e["contender"] == "transformers"]
-        print(f"  (c) transformers vs (a) (informational, different kernels): identical on "
-              f"{sum(e['identical'] for e in es)}/{len(es)} prompts"
-              + "".join(f"; {e['dataset']}[{e['index']}] split@{e['diverged_at']}" for e in es if not e["identical"]))
+    for name, tag in (("transformers", "(c) transformers"), ("llama.cpp", "(d) llama.cpp, Q4_1 arithmetic")):
+        es = [e for e in lossless if e["contender"] == name]
+        if es:
+            print(f"  {tag} vs (a) (informational, different kernels): identical on "
+                  f"{sum(e['identical'] for e in es)}/{len(es)} prompts"
+                  + "".join(f"; {e['dataset']}[{e['index']}] split@{e['diverged_at']}" for e in es
+                            if not e["identical"]))
 
     print()
     if prof:
