@@ -15,9 +15,12 @@ from .manifest import Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # The int8 drafter graph drafts one call per busy row (see `OrtBackend.draft`); the fp32 graph
-# one call for all rows. Measured on the 2-core VM (SmolLM2, ms per pass at R busy rows):
-# int8 3.5 / 7.6 / 14.9 / 62.0 and fp32 7.2 / 9.0 / 11.9 / 31.7 at R = 1 / 2 / 4 / 16, so
-# `drafter_graph="auto"` takes int8 up to this many slots and fp32 above.
+# one call for all rows. `drafter_graph="auto"` takes int8 up to this many slots and fp32 above.
+# Chosen from `dspark profile --max-slots 32 --repeats 7` on SmolLM2, the 2-core VM, 2026-12-02
+# 15:27 UTC, ms per pass at R = 1 / 2 / 3 / 4 / 16 busy rows: int8 3.8 / 7.7 / 10.9 / 14.0 / 54.1,
+# fp32 7.1 / 9.0 / 10.4 / 11.3 / 30.2. Since the sequential stage is int8 too (15:59 UTC profile):
+# int8 3.1 / 5.9 / 8.7 / 11.2 / 42.9, fp32 7.1 / 8.7 / 10.3 / 11.4 / 30.1, so 3 slots would now
+# be the better threshold (not changed: the benchmarks in the README ran with 2).
 INT8_MAX_SLOTS = 2
 
 
