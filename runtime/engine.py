@@ -19,7 +19,7 @@ from .manifest import Manifest
 from .ort_backend import OrtBackend
 from .scheduler import Scheduler
 from .schedulers import make_scheduler
-from .throughput import SpsTable
+from .throughput import SpsTable, drafter_graph_of
 from .tokenizer import ChatTokenizer
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -75,7 +75,7 @@ class Engine:
             backend_ = OrtBackend(bundle, manifest, max_seq, provider, threads, target_graph=target_graph,
                                   drafter_graph=drafter_graph, slots=slots)
         if sps is not None:  # the drafter cost of the graph this engine runs
-            sps = sps.for_drafter("int8" if getattr(backend_, "drafter_int8", False) else "fp32")
+            sps = sps.for_drafter(drafter_graph_of(backend_))
         return cls(bundle, manifest, backend_, tokenizer, sps, calibration)
 
     def scheduler(self, name: str = "auto", threshold: float = 0.5) -> Scheduler | None:

@@ -21,7 +21,7 @@ from .generate import Request, SamplingParams, generate_batch
 from .manifest import Manifest
 from .plots import pyplot
 from .scheduler import FixedLength
-from .throughput import SPS_FILE, SpsTable
+from .throughput import SPS_FILE, SpsTable, drafter_graph_of
 
 ROW_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_CONTEXT_ROWS = 2  # new context rows per request in a typical drafting round (a + 1)
@@ -115,10 +115,11 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
         be.prefill(slot, rng.integers(0, V, cfg.context), True)
 
     rows = sorted({r for r in ROW_GRID if r <= cfg.max_slots} | {cfg.max_slots})
-    drafters = {"int8" if getattr(be, "drafter_int8", False) else "fp32": be}
+    own = drafter_graph_of(be)
+    drafters = {own: be}
     if "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
         # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS)
-        other = "fp32" if "int8" in drafters else "int8"
+        other = "fp32" if own == "int8" else "int8"
         drafters[other] = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False,
                                       **{**engine_kwargs, "drafter_graph": other}).backend
     calls = {}
@@ -136,7 +137,7 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
                       cfg.max_slots)  # [R_max, S_max] seconds
     by_graph = {g: _fill_rows({R: np.array([seconds[g, R]]) for R in rows}, cfg.max_slots)[:, 0]
                 for g in drafters}  # [R_max] seconds per drafter pass
-    drafter = next(iter(by_graph.values()))  # the graph of this engine
+    drafter = by_graph[own]
     by_tokens: dict[int, list[float]] = {}
     for R in range(1, cfg.max_slots + 1):
         for S in range(1, s_max + 1):

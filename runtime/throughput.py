@@ -84,6 +84,12 @@ class SpsTable:
             raise BundleError(f"{path} is corrupt ({e}); re-run `dspark profile --bundle {bundle}`") from e
 
 
+def drafter_graph_of(backend) -> str:
+    """The name under which the SPS table keeps the drafter cost of the graph `backend` runs:
+    "int8" for ONNX Runtime's quantized drafter graph, "fp32" for the exported one."""
+    return "int8" if getattr(backend, "drafter_int8", False) else "fp32"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Θ of a verification plan ℓ [R].
