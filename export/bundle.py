@@ -109,6 +109,13 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             graphs["drafter"] = "drafter.onnx"
             ops["drafter_ort"] = export_drafter_ort(tmp / "drafter.onnx", tmp / "drafter_ort.onnx")
             graphs["drafter_ort"] = "drafter_ort.onnx"
+            # the same int8 graph without the `If`, for calls whose rows are all greedy
+            greedy = tmp / "drafter_greedy.onnx"  # fp32, only the quantizer's input
+            export_drafter(drafter, greedy, branch="greedy")
+            ops["drafter_ort_greedy"] = export_drafter_ort(greedy, tmp / "drafter_ort_greedy.onnx")
+            graphs["drafter_ort_greedy"] = "drafter_ort_greedy.onnx"
+            for f in (greedy, greedy.with_name(greedy.name + ".data")):
+                f.unlink()
             steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))

@@ -119,7 +119,7 @@ def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: in
     drafter_step = None
     if drafter is not None:
         drafter.cfg.check_against(target.cfg)
-        d = DrafterGraph(copy.deepcopy(drafter), branch_free=True).to(dev.device).eval()
+        d = DrafterGraph(copy.deepcopy(drafter), branch="sampled").to(dev.device).eval()
         drafter_step = TorchStep(d, DRAFTER_INPUTS, drafter_outputs(drafter.cfg.num_layers))
     gamma = drafter.cfg.block_size if drafter is not None else 0
     buckets = Buckets(max_seq, gamma + 1, max(prefill_chunk, gamma + 1), min_context)

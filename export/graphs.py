@@ -28,8 +28,10 @@ def target_outputs(layers: int) -> list[str]:
     return ["logits", "features", *kv_names("new", layers)]
 
 
-def drafter_outputs(layers: int) -> list[str]:
-    return ["draft_tokens", "draft_probs", "confidence_logits", *kv_names("ctx", layers)]
+def drafter_outputs(layers: int, probs: bool = True) -> list[str]:
+    """probs=False: the greedy-only graph, whose one-hot distributions nobody reads (the T = 0
+    acceptance rule compares tokens)."""
+    return ["draft_tokens", *(["draft_probs"] if probs else []), "confidence_logits", *kv_names("ctx", layers)]
 
 
 def split_attention(q: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor, past_mask: torch.Tensor,
@@ -151,22 +153,35 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.clamp(below, max=probs.shape[-1] - 1)
 
 
+BRANCHES = ("cond", "sampled", "greedy")
+
+
 class SequentialStage(nn.Module):
     """The γ left-to-right steps (dspark.md §3–4), unrolled: Markov bias, sampling by
     inverse CDF from the supplied uniforms (argmax where temperature is 0), confidence.
-    When every row is greedy, an `If` takes a branch without the softmax and cumulative
-    sums over the vocabulary. A module of its own so that profiles can attribute its nodes."""
+    A module of its own so that profiles can attribute its nodes.
 
-    def __init__(self, drafter: Drafter, branch_free: bool = False):
+    branch: "cond" = an `If` takes a branch without the softmax and cumulative sums over the
+    vocabulary when every row is greedy (one graph for every temperature); "sampled" = always
+    the sampled branch (exact for greedy rows too, no host sync on a condition, so a CUDA
+    graph can capture it); "greedy" = the greedy branch alone, for calls whose rows all have
+    temperature 0 (the caller's promise: `temperature` and `uniforms` are not read), returning
+    no distributions (probs None): at T = 0 acceptance compares tokens, so γ one-hot rows over
+    the vocabulary would be built and copied for nothing."""
+
+    def __init__(self, drafter: Drafter, branch: str = "cond"):
         super().__init__()
+        if branch not in BRANCHES:
+            raise ValueError(f"branch {branch!r} is not one of {BRANCHES}")
         self.drafter = drafter
-        self.branch_free = branch_free  # always the sampled branch (exact for greedy rows too): no host
-        # sync on the condition, so a CUDA graph can capture it
+        self.branch = branch
 
     def forward(self, h, base, anchor, temperature, uniforms):
         """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
-        if self.branch_free:
+        if self.branch == "sampled":
             return self.sampled(h, base, anchor, temperature, uniforms)
+        if self.branch == "greedy":
+            return self.steps(h, base, anchor, temperature, uniforms, sample=False, one_hot=False)
         return torch.cond((temperature <= 0).all(), self.greedy, self.sampled, (h, base, anchor, temperature, uniforms))
 
     def greedy(self, h, base, anchor, temperature, uniforms):
@@ -175,7 +190,7 @@ class SequentialStage(nn.Module):
     def sampled(self, h, base, anchor, temperature, uniforms):
         return self.steps(h, base, anchor, temperature, uniforms, sample=True)
 
-    def steps(self, h, base, anchor, temperature, uniforms, sample: bool):
+    def steps(self, h, base, anchor, temperature, uniforms, sample: bool, one_hot: bool = True):
         d, c = self.drafter, self.drafter.cfg
         B, gamma, V = base.shape
         greedy = temperature[:, None] <= 0  # [B, 1]
@@ -190,13 +205,12 @@ class SequentialStage(nn.Module):
                 bias, state = d.markov_head.step(h[:, k], prev, state)
                 z = z + bias
             top = torch.argmax(z, dim=-1)
-            one_hot = (vocab[None, :] == top[:, None]).to(z.dtype)
             if sample:
                 p = torch.softmax(z * inv_t[:, None], dim=-1)
                 tok = torch.where(greedy[:, 0], top, inverse_cdf(p, uniforms[:, k]))
-                p = torch.where(greedy, one_hot, p)
+                p = torch.where(greedy, (vocab[None, :] == top[:, None]).to(z.dtype), p)
             else:
-                tok, p = top, one_hot
+                tok, p = top, (vocab[None, :] == top[:, None]).to(z.dtype) if one_hot else None
             if d.confidence_head is not None:
                 inp = h[:, k]
                 if c.confidence_head_with_markov:
@@ -207,7 +221,7 @@ class SequentialStage(nn.Module):
             tokens.append(tok)
             probs.append(p)
             prev = tok
-        return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(conf, 1)
+        return torch.stack(tokens, 1), torch.stack(probs, 1) if one_hot or sample else None, torch.stack(conf, 1)
 
 
 class DrafterGraph(nn.Module):
@@ -218,13 +232,13 @@ class DrafterGraph(nn.Module):
              temperature [B] f32 (0 = argmax), uniforms [B, γ] f32, past_mask [B, P] f32,
              ctx_mask [B, n] f32 (additive: rows of requests with fewer than n new context
              rows are padding the block must not read), past_key_i / past_value_i [B, Hkv, S_max, D]
-    outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V], confidence_logits [B, γ],
-             ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
+    outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V] (not with branch "greedy"),
+             confidence_logits [B, γ], ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
 
-    def __init__(self, drafter: Drafter, branch_free: bool = False):
+    def __init__(self, drafter: Drafter, branch: str = "cond"):
         super().__init__()
         self.drafter = drafter
-        self.sequential = SequentialStage(drafter, branch_free)
+        self.sequential = SequentialStage(drafter, branch)
 
     def forward(self, features, positions, anchor, temperature, uniforms, past_mask, ctx_mask, *past):
         d, c = self.drafter, self.drafter.cfg
@@ -252,4 +266,4 @@ class DrafterGraph(nn.Module):
             ctx_kv += [ck, cv]
         h = d.norm(x)  # [B, γ, d]
         tokens, probs, conf = self.sequential(h, d.lm_head(h), anchor, temperature, uniforms)
-        return (tokens, probs, conf, *ctx_kv[0::2], *ctx_kv[1::2])
+        return (tokens, *([] if probs is None else [probs]), conf, *ctx_kv[0::2], *ctx_kv[1::2])

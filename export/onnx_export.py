@@ -42,7 +42,8 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
     return graph_ops(path)
 
 
-def export_drafter(drafter: Drafter, path: Path) -> list[str]:
+def export_drafter(drafter: Drafter, path: Path, branch: str = "cond") -> list[str]:
+    """branch: the sequential stage's form (graphs.SequentialStage); every form has the same inputs."""
     c = drafter.cfg
     L, gamma = c.num_layers, c.block_size
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
@@ -50,12 +51,12 @@ def export_drafter(drafter: Drafter, path: Path) -> list[str]:
             torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P),
             torch.zeros(_B, _S), *kv)
     inputs = [*DRAFTER_INPUTS, *kv_names("past", L)]
-    outputs = drafter_outputs(L)
+    outputs = drafter_outputs(L, probs=branch != "greedy")
     b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
     shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
               tuple({0: b, 2: smax} for _ in kv))
-    program = torch.onnx.export(DrafterGraph(drafter).eval(), args, input_names=inputs, output_names=outputs,
+    program = torch.onnx.export(DrafterGraph(drafter, branch).eval(), args, input_names=inputs, output_names=outputs,
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
                                 verbose=False)
     _save(program, path)

@@ -23,6 +23,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from .onnx_export import graph_ops
+from .tensorrt_ops import walk_nodes
 from .target import TargetModel
 
 MS = "com.microsoft"
@@ -154,10 +155,20 @@ def export_drafter_ort(portable: Path, path: Path) -> list[str]:
     GEMVs each read the [V, r] matrix; with them in int8 the engine's drafter calls took 3.17 ms
     inside ONNX Runtime instead of 3.62 (`scripts/bench_ort.py`, SmolLM2, the 2-core VM,
     2026-12-02 15:50 and 16:22 UTC). Only the proposal distribution changes, and acceptance
-    corrects for any proposal (dspark.md §1): losslessness does not depend on it."""
+    corrects for any proposal (dspark.md §1): losslessness does not depend on it.
+
+    The quantizer drops node metadata; it is copied back by node name, so that profiles can
+    still attribute each node to its module (the sequential stage's nodes in particular)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(str(portable), str(path), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
                      use_external_data_format=True,
                      extra_options={"MatMulConstBOnly": True, "EnableSubgraph": True})
+    meta = {n.name: n.metadata_props for n in walk_nodes(onnx.load(str(portable), load_external_data=False).graph)}
+    model = onnx.load(str(path), load_external_data=False)
+    for node in walk_nodes(model.graph):
+        if not node.metadata_props and node.name in meta:
+            node.metadata_props.extend(meta[node.name])
+    onnx.save_model(model, str(path))  # the graph only: its external weights file stays as written
     return graph_ops(path)
+

@@ -20,7 +20,10 @@ import numpy as np
 @dataclass
 class Draft:
     tokens: np.ndarray  # [B, γ] int64
-    probs: np.ndarray  # [B, γ, V] the distributions the tokens were drawn from (one-hot at T = 0)
+    # [B, γ, V] the distributions the tokens were drawn from (one-hot at T = 0), or None when every
+    # row is greedy: the T = 0 acceptance rule compares tokens and never reads them, so a backend
+    # may also leave greedy rows of a mixed batch unfilled
+    probs: np.ndarray | None
     confidence_logits: np.ndarray  # [B, γ] raw confidence logits (zeros without a head)
 
 

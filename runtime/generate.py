@@ -257,7 +257,8 @@ def _accept(draft: Draft, logits: np.ndarray, rows: list[int], lengths: np.ndarr
     accepted, emitted = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
     for s in rows:
         ell = lengths[s]
-        accepted[s], emitted[s] = verify(draft.tokens[s, :ell], draft.probs[s, :ell], logits[s, :ell + 1],
+        p_d = None if temps[s] == 0 else draft.probs[s, :ell]  # greedy rows: tokens are compared
+        accepted[s], emitted[s] = verify(draft.tokens[s, :ell], p_d, logits[s, :ell + 1],
                                          float(temps[s]), u[s, :gamma], u[s, gamma])
     return accepted, emitted
 

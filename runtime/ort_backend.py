@@ -153,7 +153,7 @@ class OrtBackend:
         if self.in_place and slots > 1:
             self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
                                         self.target_kv, names, expect)
-        self._drafter = None
+        self._drafter = self._drafter_greedy = None
         self.drafter_int8 = False
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
@@ -161,10 +161,14 @@ class OrtBackend:
             self.drafter_int8 = "drafter_ort" in manifest.graphs and (
                 drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu" and slots <= INT8_MAX_SLOTS))
             drafter = "drafter_ort" if self.drafter_int8 else "drafter"
+            expect = {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "features": {2: d.feature_dim}, "ctx_mask": {}}
             self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
-                                   self.draft_kv, names,
-                                   {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "draft_probs": {2: d.vocab_size},
-                                    "features": {2: d.feature_dim}, "ctx_mask": {}})
+                                   self.draft_kv, names, {**expect, "draft_probs": {2: d.vocab_size}})
+            # the int8 graph without the `If` and without one-hot outputs, for rows at T = 0
+            # (older bundles lack it and run drafter_ort for every row)
+            if self.drafter_int8 and "drafter_ort_greedy" in manifest.graphs:
+                self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], PROVIDERS[provider],
+                                              threads, self.draft_kv, names, expect)
 
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         n = len(tokens)
@@ -207,11 +211,15 @@ class OrtBackend:
         busy = [int(r) for r in np.flatnonzero(counts)]
         rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
                                    anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1]) for r in busy}
-        first = rows[busy[0]]
-        out = [np.zeros((len(counts), *a.shape[1:]), a.dtype) for a in (first.tokens, first.probs, first.confidence_logits)]
+        B, gamma = len(counts), self.block_size
+        tokens, conf = np.zeros((B, gamma), np.int64), np.zeros((B, gamma), np.float32)  # [B, γ]
+        sampled = [r for r, d in rows.items() if d.probs is not None]
+        probs = np.zeros((B, gamma, self.vocab_size), np.float32) if sampled else None  # [B, γ, V]
         for r, d in rows.items():
-            out[0][r], out[1][r], out[2][r] = d.tokens[0], d.probs[0], d.confidence_logits[0]
-        return Draft(*out)  # [B, γ], [B, γ, V], [B, γ]
+            tokens[r], conf[r] = d.tokens[0], d.confidence_logits[0]
+            if d.probs is not None:
+                probs[r] = d.probs[0]
+        return Draft(tokens, probs, conf)
 
     def _run_draft(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
                    anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
@@ -219,7 +227,9 @@ class OrtBackend:
         starts = ctx_starts + counts  # [B] block positions start..start+γ-1
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
                                    axis=1)  # [B, n+γ]
-        tokens, probs, conf, *ctx_kv = self._drafter.run(
+        greedy = self._drafter_greedy is not None and not np.any(temperatures)
+        graph = self._drafter_greedy if greedy else self._drafter
+        out = dict(zip(graph.outputs, graph.run(
             lo, lo + B,
             features=np.ascontiguousarray(features, np.float32),  # [B, n, F]
             positions=positions.astype(np.int64),
@@ -228,6 +238,6 @@ class OrtBackend:
             uniforms=np.asarray(uniforms, np.float32),  # [B, γ]
             past_mask=row_mask(ctx_starts),  # [B, max(ctx_starts)]
             ctx_mask=row_mask(counts, n),  # [B, n]
-        )
-        self.draft_kv.write(ctx_kv, ctx_starts, lo)
-        return Draft(tokens, probs, conf)
+        )))
+        self.draft_kv.write([out[n] for n in graph.outputs if n.startswith("ctx_")], ctx_starts, lo)
+        return Draft(out["draft_tokens"], out.get("draft_probs"), out["confidence_logits"])

@@ -52,11 +52,12 @@ def residual(p_t: np.ndarray, p_d: np.ndarray) -> np.ndarray:
     return p_t if mass < RESIDUAL_FLOOR else r / mass
 
 
-def verify(drafts: np.ndarray, p_d: np.ndarray, target_logits: np.ndarray, temperature: float,
+def verify(drafts: np.ndarray, p_d: np.ndarray | None, target_logits: np.ndarray, temperature: float,
            u_accept: np.ndarray, u_emit: float) -> tuple[int, int]:
     """Accept a prefix of `drafts` [ℓ] against the target and emit one token.
 
-    p_d [ℓ, V] are the draft distributions the drafts were sampled from; target_logits
+    p_d [ℓ, V] are the draft distributions the drafts were sampled from (not read at T = 0,
+    where it may be None: a draft is accepted iff it is the target's argmax); target_logits
     [ℓ+1, V] are the target's logits at the anchor and each draft. Returns (a, token):
     a drafts accepted, then `token` drawn from the residual at slot a+1 or, if all ℓ
     were accepted, the bonus token from the target's last distribution."""

@@ -14,8 +14,8 @@ It also measures
     wrapped), so host overhead = cycle wall time - time inside ORT is measured, not estimated;
   * the sequential stage's share of the drafter's kernel time, from an ONNX Runtime profile of a
     fresh drafter session fed the inputs captured from a real DSpark run (nodes attributed by the
-    'SequentialStage' entry of their 'pkg.torch.onnx.class_hierarchy' metadata, read from the
-    exported fp32 graph for the int8 one; a control-flow node counts whole, its own overhead
+    'SequentialStage' entry of their 'pkg.torch.onnx.class_hierarchy' metadata, which the int8
+    graphs keep from the exported ones; a control-flow node counts whole, its own overhead
     included, and the nodes of its branches are not counted again);
   * a weight-read floor: the time to read the target's weight bytes once, as (1) an ORT graph of
     [1,K]x[K,N] MatMul GEMVs over the same number of bytes and (2) a two-thread numpy sum;
@@ -250,12 +250,9 @@ def profile_drafter(bundle: Path, graph: str, threads: int, captured: list[dict]
 
     model_path = bundle / graph
     g0 = onnx.load(str(model_path), load_external_data=False).graph
-    # ONNX Runtime's quantizer drops node metadata but keeps node names: the stage of a node of
-    # the int8 graph is read from the exported graph it was made from.
-    marked = {n.name: n for n in onnx.load(str(bundle / "drafter.onnx"), load_external_data=False).graph.node}
 
-    def is_seq(node) -> bool:
-        md = {p.key: p.value for p in marked.get(node.name, node).metadata_props}
+    def is_seq(node) -> bool:  # the int8 graphs carry the metadata of the nodes they were made from
+        md = {p.key: p.value for p in node.metadata_props}
         return SEQ_MARK in md.get(HIERARCHY_KEY, "")
 
     def walk(graph, inherited: bool = False, nested: bool = False):
@@ -554,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     m = engine.manifest
     timer = OrtTimer()
     timer.wrap(engine.backend._target.session, "target")
-    timer.wrap(engine.backend._drafter.session, "drafter")
+    for graph in (engine.backend._drafter, engine.backend._drafter_greedy):
+        if graph is not None:
+            timer.wrap(graph.session, "drafter")
     prompts = load_prompts(args.data_dir, args.n_prompts)
     print(f"bundle    {bundle}: target {m.target.arch} {m.target.num_layers} layers d={m.target.hidden_size} "
           f"V={m.target.vocab_size}, drafter γ={m.drafter.block_size} {m.drafter.num_layers} layer(s) "
@@ -610,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # warm-up, one of each, on a prompt outside the measured set; capture the drafter's inputs
     captured: list[dict] = []
-    drafter_graph = engine.backend._drafter
+    drafter_graph = engine.backend._drafter_greedy or engine.backend._drafter  # the graph greedy rows run
     warm_prompt = prompts["gsm8k"][args.n_prompts] if len(prompts["gsm8k"]) > args.n_prompts else prompts["gsm8k"][0]
     for name in tqdm(contenders, desc="warm-up", file=sys.stderr, leave=False):
         if name.startswith("dspark") and not captured:
@@ -669,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring: drafter profile, weight-read floors (after) …", file=sys.stderr, flush=True)
     prof = None
     if captured:
-        prof = profile_drafter(bundle, engine.backend._drafter.path.name, args.threads, captured, drafter_past,
+        prof = profile_drafter(bundle, drafter_graph.path.name, args.threads, captured, drafter_past,
                                args.profile_passes)
     floors["ort"].append(gemv_floor(wb["initializer_bytes"], m.target.hidden_size, args.floor_matmuls,
                                     args.threads, args.floor_reps))

@@ -55,7 +55,7 @@ def test_manifest_is_valid_and_labelled(default_bundle, manifest):
     m = manifest
     assert m.bundle_format == BUNDLE_FORMAT and m.dtype == "float32"
     assert m.graphs == {"target": "target.onnx", "target_ort": "target_ort.onnx", "drafter": "drafter.onnx",
-                        "drafter_ort": "drafter_ort.onnx"}
+                        "drafter_ort": "drafter_ort.onnx", "drafter_ort_greedy": "drafter_ort_greedy.onnx"}
     assert m.tokenizer == "tokenizer.json"
     for name in ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data", "drafter.onnx",
                  "drafter.onnx.data", "tokenizer.json"):

@@ -119,6 +119,35 @@ def test_int8_drafter_graph(tiny_bundle, manifest, engine):
         assert e8.generate(prompt, max_new_tokens=40, scheduler="fixed").token_ids == alone.token_ids
 
 
+def test_greedy_drafter_graph(tiny_bundle, manifest, engine, monkeypatch):
+    """Rows at T = 0 run the int8 graph without the `If` (drafter_ort_greedy): the tokens and
+    confidences of the full int8 graph's greedy branch, and no distributions. A call with a
+    sampled row runs the full graph and fills that row's distributions; each row drafts alone,
+    so a greedy row drafts the same whoever sits beside it."""
+    be = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ, slots=2, drafter_graph="int8").backend
+    assert be._drafter_greedy.path.name == manifest.graphs["drafter_ort_greedy"] == "drafter_ort_greedy.onnx"
+    ids = np.asarray(engine.encode(PROMPT), np.int64)
+    _, feats = engine.backend.target(ids[None], np.zeros(1, np.int64))  # [1, n, F]
+    gamma = manifest.drafter.block_size
+    u = np.random.default_rng(0).random((2, gamma))
+    one = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]))
+    greedy = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
+    assert greedy.probs is None
+    monkeypatch.setattr(be, "_drafter_greedy", None)  # the full graph, its `If` taking the greedy branch
+    full = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
+    monkeypatch.undo()
+    assert greedy.tokens.tolist() == full.tokens.tolist()
+    close(greedy.confidence_logits, full.confidence_logits, "confidence logits", tol=1e-5)
+
+    two = (np.repeat(feats, 2, 0), np.full(2, len(ids)), np.zeros(2, np.int64), np.array([5, 5]))
+    mixed = be.draft(*two, np.array([0.0, 1.0], np.float32), u)
+    sampled = be.draft(feats, *one, np.ones(1, np.float32), u[1:])
+    assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()
+    assert mixed.tokens[1].tolist() == sampled.tokens[0].tolist()
+    close(mixed.probs[1], sampled.probs[0], "sampled row's draft probs", tol=0)
+    assert np.allclose(mixed.probs[1].sum(-1), 1.0, atol=1e-5)
+
+
 # --- loop level -----------------------------------------------------------------------------------
 
 SCHEDULERS = {"fixed": FixedLength(), "threshold": StaticThreshold(0.5), "none": None}
