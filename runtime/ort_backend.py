@@ -14,8 +14,10 @@ from .kv import KVBuffers, row_mask
 from .manifest import Manifest
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-# The int8 drafter graph drafts one call per busy row (see `OrtBackend.draft`); the fp32 graph
-# one call for all rows. `drafter_graph="auto"` takes int8 up to this many slots and fp32 above.
+# Rows at temperature > 0: the int8 drafter graph drafts one call per busy row (see
+# `OrtBackend.draft`), the fp32 graph one call for all rows; `drafter_graph="auto"` takes int8 up to
+# this many slots and fp32 above. (Calls whose rows are all greedy take neither: they run the
+# greedy-only int8 graph over every row in one call.)
 # Chosen from `dspark profile --max-slots 32 --repeats 7` on SmolLM2, the 2-core VM, 2026-12-02
 # 15:27 UTC, ms per pass at R = 1 / 2 / 3 / 4 / 16 busy rows: int8 3.8 / 7.7 / 10.9 / 14.0 / 54.1,
 # fp32 7.1 / 9.0 / 10.4 / 11.3 / 30.2. Since the sequential stage is int8 too (15:59 UTC profile):
@@ -114,8 +116,12 @@ class OrtBackend:
         quantized (about 2x faster on CPU; only the proposals change, never the output
         distribution), "fp32" = the exported graph, "auto" = int8 on the CPU provider when
         the bundle has it and `slots` <= INT8_MAX_SLOTS (past that, one batched fp32 call is
-        cheaper than int8 row by row). The choice is per engine, never per step, so a
-        request's proposals do not depend on how many others are in the batch."""
+        cheaper than int8 row by row). That choice is per engine, never per step, so a sampled
+        request's proposals do not depend on how many others are in the batch. With int8 or
+        auto on the CPU, a call whose rows are all greedy runs the greedy-only int8 graph
+        (`drafter_ort_greedy`) over every row at once: its proposals then depend on the batch
+        (one activation scale per call), its output does not (at T = 0 the output is the
+        target's argmax whatever was proposed)."""
         if provider not in PROVIDERS:
             raise InputError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
         if PROVIDERS[provider] not in ort.get_available_providers():
@@ -154,7 +160,7 @@ class OrtBackend:
             self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
                                         self.target_kv, names, expect)
         self._drafter = self._drafter_greedy = None
-        self.drafter_int8 = False
+        self.drafter_int8 = self.greedy_graph = False
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
@@ -164,9 +170,11 @@ class OrtBackend:
             expect = {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "features": {2: d.feature_dim}, "ctx_mask": {}}
             self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
                                    self.draft_kv, names, {**expect, "draft_probs": {2: d.vocab_size}})
-            # the int8 graph without the `If` and without one-hot outputs, for rows at T = 0
+            # the int8 graph without the `If` and without one-hot outputs, for calls at T = 0
             # (older bundles lack it and run drafter_ort for every row)
-            if self.drafter_int8 and "drafter_ort_greedy" in manifest.graphs:
+            self.greedy_graph = "drafter_ort_greedy" in manifest.graphs and (
+                drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu"))
+            if self.greedy_graph:
                 self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], PROVIDERS[provider],
                                               threads, self.draft_kv, names, expect)
 
@@ -203,11 +211,11 @@ class OrtBackend:
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
               temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
-        if not self.drafter_int8 or len(counts) == 1:
+        if not self.drafter_int8 or len(counts) == 1 or (self.greedy_graph and not np.any(temperatures)):
             return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
         # The int8 graph quantizes activations with one scale per call, so one call over several
-        # rows would make a request's proposals depend on its neighbours: each busy row drafts
-        # alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
+        # rows would make a sampled request's proposals depend on its neighbours: each busy row
+        # drafts alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
         busy = [int(r) for r in np.flatnonzero(counts)]
         rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
                                    anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1]) for r in busy}
@@ -227,8 +235,7 @@ class OrtBackend:
         starts = ctx_starts + counts  # [B] block positions start..start+γ-1
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
                                    axis=1)  # [B, n+γ]
-        greedy = self._drafter_greedy is not None and not np.any(temperatures)
-        graph = self._drafter_greedy if greedy else self._drafter
+        graph = self._drafter_greedy if self.greedy_graph and not np.any(temperatures) else self._drafter
         out = dict(zip(graph.outputs, graph.run(
             lo, lo + B,
             features=np.ascontiguousarray(features, np.float32),  # [B, n, F]

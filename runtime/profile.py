@@ -117,11 +117,12 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     rows = sorted({r for r in ROW_GRID if r <= cfg.max_slots} | {cfg.max_slots})
     own = drafter_graph_of(be)
     drafters = {own: be}
-    if "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
-        # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS)
-        other = "fp32" if own == "int8" else "int8"
-        drafters[other] = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False,
-                                      **{**engine_kwargs, "drafter_graph": other}).backend
+    if own != "int8-greedy" and "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
+        # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS);
+        # at T = 0 every CPU engine runs the greedy-only graph, when the bundle has it
+        other = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False,
+                            **{**engine_kwargs, "drafter_graph": "fp32" if own == "int8" else "int8"}).backend
+        drafters[drafter_graph_of(other)] = other
     calls = {}
     for R in rows:
         starts = np.full(R, cfg.context, np.int64)

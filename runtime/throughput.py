@@ -27,7 +27,7 @@ class SpsTable:
     sps: tuple[float, ...]  # SPS(B) for B = 1..len(sps): steps per second
     draft_s: tuple[float, ...] = ()  # the drafter's seconds per pass at R = 1..len(draft_s) rows
     grid: tuple[tuple[float, ...], ...] = ()  # grid[R-1][S-1]: steps per second at R rows of S tokens
-    # draft_s of each drafter graph profiled ("int8", "fp32"): an engine takes the one it runs
+    # draft_s of each drafter graph profiled ("int8-greedy", "int8", "fp32"): an engine takes the one it runs
     draft_by_graph: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -85,8 +85,11 @@ class SpsTable:
 
 
 def drafter_graph_of(backend) -> str:
-    """The name under which the SPS table keeps the drafter cost of the graph `backend` runs:
-    "int8" for ONNX Runtime's quantized drafter graph, "fp32" for the exported one."""
+    """The name under which the SPS table keeps the drafter cost of what `backend` runs at T = 0
+    (what `dspark profile` measures): "int8-greedy" for ONNX Runtime's greedy-only int8 graph over
+    every row, "int8" for its full int8 graph row by row, "fp32" for the exported graph."""
+    if getattr(backend, "greedy_graph", False):
+        return "int8-greedy"
     return "int8" if getattr(backend, "drafter_int8", False) else "fp32"
 
 

@@ -128,10 +128,12 @@ def test_sampled_batch_follows_each_requests_rng(profiled, scheduler, graph):
 
 
 def test_auto_drafter_graph_follows_the_slot_count(engines):
-    """int8 row by row while it is the cheaper (at most INT8_MAX_SLOTS slots), one fp32 call above."""
+    """Sampled rows: int8 row by row while it is the cheaper (at most INT8_MAX_SLOTS slots), one
+    fp32 call above. Greedy calls: the greedy-only int8 graph over every row, at any slot count."""
     solo_engine, batch_engine = engines
     assert SLOTS > INT8_MAX_SLOTS
     assert solo_engine.backend.drafter_int8 and not batch_engine.backend.drafter_int8
+    assert solo_engine.backend.greedy_graph and batch_engine.backend.greedy_graph
 
 
 def test_kv_buffers_sized_at_load(engines):

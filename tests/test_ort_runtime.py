@@ -120,10 +120,10 @@ def test_int8_drafter_graph(tiny_bundle, manifest, engine):
 
 
 def test_greedy_drafter_graph(tiny_bundle, manifest, engine, monkeypatch):
-    """Rows at T = 0 run the int8 graph without the `If` (drafter_ort_greedy): the tokens and
-    confidences of the full int8 graph's greedy branch, and no distributions. A call with a
-    sampled row runs the full graph and fills that row's distributions; each row drafts alone,
-    so a greedy row drafts the same whoever sits beside it."""
+    """Calls at T = 0 run the int8 graph without the `If` (drafter_ort_greedy): the tokens and
+    confidences of the full int8 graph's greedy branch, and no distributions; over several
+    greedy rows, one call. A call with a sampled row drafts row by row (int8): the sampled row
+    through the full graph, with its distributions, the greedy one through the greedy graph."""
     be = Engine.load(tiny_bundle.path, max_seq=MAX_SEQ, slots=2, drafter_graph="int8").backend
     assert be._drafter_greedy.path.name == manifest.graphs["drafter_ort_greedy"] == "drafter_ort_greedy.onnx"
     ids = np.asarray(engine.encode(PROMPT), np.int64)
@@ -133,13 +133,20 @@ def test_greedy_drafter_graph(tiny_bundle, manifest, engine, monkeypatch):
     one = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]))
     greedy = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
     assert greedy.probs is None
-    monkeypatch.setattr(be, "_drafter_greedy", None)  # the full graph, its `If` taking the greedy branch
+    monkeypatch.setattr(be, "greedy_graph", False)  # the full graph, its `If` taking the greedy branch
     full = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
     monkeypatch.undo()
     assert greedy.tokens.tolist() == full.tokens.tolist()
     close(greedy.confidence_logits, full.confidence_logits, "confidence logits", tol=1e-5)
 
     two = (np.repeat(feats, 2, 0), np.full(2, len(ids)), np.zeros(2, np.int64), np.array([5, 5]))
+    calls = []
+    monkeypatch.setattr(be._drafter_greedy, "run", lambda lo, hi, _run=be._drafter_greedy.run, **kw:
+                        calls.append((lo, hi)) or _run(lo, hi, **kw))
+    both = be.draft(*two, np.zeros(2, np.float32), u)
+    monkeypatch.undo()
+    assert calls == [(0, 2)] and both.probs is None  # one call over both rows
+    assert both.tokens.tolist() == [greedy.tokens[0].tolist()] * 2  # the same rows: the same scale
     mixed = be.draft(*two, np.array([0.0, 1.0], np.float32), u)
     sampled = be.draft(feats, *one, np.ones(1, np.float32), u[1:])
     assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()

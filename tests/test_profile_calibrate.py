@@ -42,9 +42,14 @@ def test_profile_then_calibrate(bundle, data, capsys):
     gamma = 4
     assert len(table.sps) == 3 * (gamma + 1) and len(table.draft_s) == 3 and len(table.grid) == 3
     assert (bundle / "sps.png").stat().st_size > 0
-    assert sorted(table.draft_by_graph) == ["fp32", "int8"]  # 3 slots run fp32; a solo engine runs int8
-    assert table.draft_s == table.draft_by_graph["fp32"]
-    assert Engine.load(bundle, max_seq=128).sps.draft_s == table.draft_by_graph["int8"]
+    assert sorted(table.draft_by_graph) == ["int8-greedy"]  # what every CPU engine runs at T = 0
+    assert table.draft_s == table.draft_by_graph["int8-greedy"]
+    assert Engine.load(bundle, max_seq=128).sps.draft_s == table.draft_by_graph["int8-greedy"]
+    assert main(["profile", "--bundle", str(bundle), "--max-slots", "3", "--context", "32", "--repeats", "1",
+                 "--threads", "1", "--drafter-graph", "fp32"]) == 0  # an fp32 engine: the other kind is
+    table = SpsTable.load(bundle)  # measured too, as what it runs at T = 0
+    assert sorted(table.draft_by_graph) == ["fp32", "int8-greedy"] and table.draft_s == table.draft_by_graph["fp32"]
+    assert Engine.load(bundle, max_seq=128, drafter_graph="fp32").sps.draft_s == table.draft_by_graph["fp32"]
     assert main(["calibrate", "--bundle", str(bundle), "--prompts", "16", "--max-new-tokens", "32",
                  "--data", str(data), "--threads", "1"]) == 0
     out = capsys.readouterr().out
