@@ -246,5 +246,5 @@ class OrtBackend:
             past_mask=row_mask(ctx_starts),  # [B, max(ctx_starts)]
             ctx_mask=row_mask(counts, n),  # [B, n]
         )))
-        self.draft_kv.write([out[n] for n in graph.outputs if n.startswith("ctx_")], ctx_starts, lo)
+        self.draft_kv.write([out[k] for k in graph.outputs if k.startswith("ctx_")], ctx_starts, lo)
         return Draft(out["draft_tokens"], out.get("draft_probs"), out["confidence_logits"])
