@@ -221,7 +221,7 @@ class SequentialStage(nn.Module):
             tokens.append(tok)
             probs.append(p)
             prev = tok
-        return torch.stack(tokens, 1), torch.stack(probs, 1) if one_hot or sample else None, torch.stack(conf, 1)
+        return torch.stack(tokens, 1), torch.stack(probs, 1) if probs[0] is not None else None, torch.stack(conf, 1)
 
 
 class DrafterGraph(nn.Module):

@@ -160,7 +160,7 @@ class OrtBackend:
             self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
                                         self.target_kv, names, expect)
         self._drafter = self._drafter_greedy = None
-        self.drafter_int8 = self.greedy_graph = False
+        self.drafter_int8 = False
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
@@ -172,11 +172,18 @@ class OrtBackend:
                                    self.draft_kv, names, {**expect, "draft_probs": {2: d.vocab_size}})
             # the int8 graph without the `If` and without one-hot outputs, for calls at T = 0
             # (older bundles lack it and run drafter_ort for every row)
-            self.greedy_graph = "drafter_ort_greedy" in manifest.graphs and (
-                drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu"))
-            if self.greedy_graph:
+            if "drafter_ort_greedy" in manifest.graphs and (
+                    drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu")):
                 self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], PROVIDERS[provider],
                                               threads, self.draft_kv, names, expect)
+
+    @property
+    def greedy_graph(self) -> bool:
+        """Whether calls whose rows are all greedy run the greedy-only int8 graph."""
+        return self._drafter_greedy is not None
+
+    def _greedy_call(self, temperatures: np.ndarray) -> bool:
+        return self._drafter_greedy is not None and not np.any(temperatures)
 
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         n = len(tokens)
@@ -211,7 +218,7 @@ class OrtBackend:
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
               temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
-        if not self.drafter_int8 or len(counts) == 1 or (self.greedy_graph and not np.any(temperatures)):
+        if not self.drafter_int8 or len(counts) == 1 or self._greedy_call(temperatures):
             return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
         # The int8 graph quantizes activations with one scale per call, so one call over several
         # rows would make a sampled request's proposals depend on its neighbours: each busy row
@@ -235,7 +242,7 @@ class OrtBackend:
         starts = ctx_starts + counts  # [B] block positions start..start+γ-1
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
                                    axis=1)  # [B, n+γ]
-        graph = self._drafter_greedy if self.greedy_graph and not np.any(temperatures) else self._drafter
+        graph = self._drafter_greedy if self._greedy_call(temperatures) else self._drafter
         out = dict(zip(graph.outputs, graph.run(
             lo, lo + B,
             features=np.ascontiguousarray(features, np.float32),  # [B, n, F]

@@ -133,7 +133,7 @@ def test_greedy_drafter_graph(tiny_bundle, manifest, engine, monkeypatch):
     one = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]))
     greedy = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
     assert greedy.probs is None
-    monkeypatch.setattr(be, "greedy_graph", False)  # the full graph, its `If` taking the greedy branch
+    monkeypatch.setattr(be, "_drafter_greedy", None)  # the full graph, its `If` taking the greedy branch
     full = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
     monkeypatch.undo()
     assert greedy.tokens.tolist() == full.tokens.tolist()
