@@ -101,10 +101,11 @@ class Drafter(nn.Module):
                               dtype=self.fc.weight.dtype)
 
     def backbone(self, features: torch.Tensor, anchor: torch.Tensor, ctx_start: int, start: int,
-                 cache: StaticKV) -> torch.Tensor:
+                 cache: StaticKV, floor: int = 0) -> torch.Tensor:
         """One parallel pass. features [B, n, m*d] are the raw context rows for positions
-        ctx_start..start-1 (n = start - ctx_start); cache holds context K/V for [0, ctx_start).
-        Writes the new context K/V, returns the normed block states h [B, γ, d]."""
+        ctx_start..start-1 (n = start - ctx_start); cache holds context K/V for [floor, ctx_start),
+        and positions below `floor` are not attended to. Writes the new context K/V, returns the
+        normed block states h [B, γ, d]."""
         c = self.cfg
         B, n = features.shape[0], features.shape[1]
         gamma = c.block_size
@@ -116,6 +117,7 @@ class Drafter(nn.Module):
         blk_pos = torch.arange(start, start + gamma, device=anchor.device).expand(B, gamma)
         ccos, csin = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta)
         bcos, bsin = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta)
+        mask = None if floor == 0 else (torch.arange(start + gamma, device=anchor.device) >= floor)[None, None, None]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             ck, cv = attn.key_value(ctx, ccos, csin)  # context rows skip input_layernorm
@@ -124,7 +126,7 @@ class Drafter(nn.Module):
             bk, bv = attn.key_value(h, bcos, bsin)
             k = torch.cat([cache.k[i, :, :, :start], bk], dim=2)  # [B, Hkv, start+γ, D]
             v = torch.cat([cache.v[i, :, :, :start], bv], dim=2)
-            x = x + attn.attend(attn.query(h, bcos, bsin), k, v, None)  # bidirectional, sees all context
+            x = x + attn.attend(attn.query(h, bcos, bsin), k, v, mask)  # bidirectional, all context from the floor
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -197,7 +199,8 @@ class DraftSession:
 
     @torch.inference_mode()
     def draft(self, features, anchor: int, start: int, temperature: float = 0.0,
-              forced_tokens=None, uniforms=None) -> DraftResult:
+              forced_tokens=None, uniforms=None, floor: int = 0) -> DraftResult:
+        """`floor`: positions below it are not attended to (the context restarts there)."""
         d = self.drafter
         gamma = d.cfg.block_size
         dtype = d.fc.weight.dtype
@@ -205,6 +208,8 @@ class DraftSession:
         if feats.shape[1] != start - self.cache_len:
             raise InputError(f"draft round: got {feats.shape[1]} context rows, expected start - cache_len = "
                              f"{start} - {self.cache_len} = {start - self.cache_len}")
+        if not 0 <= floor <= self.cache_len:
+            raise InputError(f"draft round: floor {floor} outside 0..cache_len {self.cache_len}")
         if start + gamma > self.cache.max_seq:
             raise InputError(f"draft round: block end {start + gamma} exceeds max_len {self.cache.max_seq}")
         if temperature < 0:
@@ -214,7 +219,7 @@ class DraftSession:
         if temperature > 0 and forced is None and uniforms is None:
             raise InputError("draft round: temperature > 0 needs `uniforms` [γ] or `forced_tokens`")
         u = None if uniforms is None else torch.as_tensor(np.asarray(uniforms), dtype=torch.float64).reshape(1, gamma)
-        h = d.backbone(feats, anchor_t, self.cache_len, start, self.cache)
+        h = d.backbone(feats, anchor_t, self.cache_len, start, self.cache, floor)
         base = d.lm_head(h)  # [1, γ, V]
         out = d.sequential(h, base, anchor_t, temperature, u, forced)
         self.cache_len = start

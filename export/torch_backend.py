@@ -37,10 +37,11 @@ class TorchBackend:
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         logits, feats = self._row(slot, tokens, 0)
         n = len(tokens)
-        if ingest:
-            self.sessions[slot].cache_len = 0
-            if n > 1:  # context rows 0..n-2; the block drafted here is discarded
-                self.sessions[slot].draft(feats[:n - 1], 0, n - 1, 0.0)
+        if not ingest:
+            return logits[-1], feats
+        self.sessions[slot].cache_len = 0
+        if n > 1:  # context rows 0..n-2; the block drafted here is discarded
+            self.sessions[slot].draft(feats[:n - 1], 0, n - 1, 0.0)
         return logits[-1], feats[n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,12 +49,13 @@ class TorchBackend:
         return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
+        floors = np.zeros_like(ctx_starts) if floors is None else floors
         out = []
         for r in range(len(anchors)):
             session = self.sessions[r]
             session.cache_len = int(ctx_starts[r])  # drop anything drafted past the committed context
             out.append(session.draft(features[r, :counts[r]], int(anchors[r]), int(ctx_starts[r] + counts[r]),
-                                     float(temperatures[r]), uniforms=uniforms[r]))
+                                     float(temperatures[r]), uniforms=uniforms[r], floor=int(floors[r])))
         return Draft(np.stack([d.tokens for d in out]), np.stack([d.probs for d in out]),
                      np.stack([d.confidence_logits for d in out]))

@@ -44,7 +44,8 @@ class Backend(Protocol):
         """A new request's prompt tokens [n] at positions 0..n-1 of `slot`. With `ingest`,
         also feeds the drafter's context cache with positions 0..n-2, so that the first
         drafting round has one context row like every later one. Returns the last row's
-        logits [V] (fp32) and features [1, F]."""
+        logits [V] (fp32) and the features of the rows the drafter has not been fed: the last
+        one [1, F] with `ingest`, every row [n, F] without."""
         ...
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,10 +55,11 @@ class Backend(Protocol):
         ...
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
         """One drafting round for slots 0..B-1. Row r: features[r, :counts[r]] [B, n, F] are the
         raw target features of positions ctx_starts[r]..start_r-1 (start_r = ctx_starts[r] +
-        counts[r]; rows past counts[r] are padding); draft-side KV for [0, ctx_starts[r]) is
-        cached. The block is anchors[r] at start_r plus γ-1 masks; uniforms [B, γ] drive
+        counts[r]; rows past counts[r] are padding); draft-side KV for [floors[r], ctx_starts[r])
+        is cached, and positions below floors[r] (default 0) are never read: the drafter's context
+        restarts there. The block is anchors[r] at start_r plus γ-1 masks; uniforms [B, γ] drive
         sampling at temperatures [B]."""
         ...

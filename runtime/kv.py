@@ -43,8 +43,12 @@ class KVBuffers:
         return sum(a.nbytes for a in self.arrays)
 
 
-def row_mask(lengths: np.ndarray, width: int | None = None) -> np.ndarray:
-    """[B, W] additive mask: row b may read columns [0, lengths[b]). W = max(lengths) unless
-    given, and at least 1, so that no engine ever sees a zero-size axis."""
+def row_mask(lengths: np.ndarray, width: int | None = None, floors: np.ndarray | None = None) -> np.ndarray:
+    """[B, W] additive mask: row b may read columns [floors[b], lengths[b]) (floors default 0).
+    W = max(lengths) unless given, and at least 1, so that no engine ever sees a zero-size axis."""
     width = max(int(lengths.max()) if width is None else width, 1)
-    return np.where(np.arange(width) < lengths[:, None], 0.0, MASKED).astype(np.float32)
+    cols = np.arange(width)
+    visible = cols < lengths[:, None]  # [B, W]
+    if floors is not None:
+        visible &= cols >= floors[:, None]
+    return np.where(visible, 0.0, MASKED).astype(np.float32)

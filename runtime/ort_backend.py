@@ -189,9 +189,12 @@ class OrtBackend:
         n = len(tokens)
         logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], np.zeros(1, np.int64),
                                             np.array([[n - 1]], np.int64))
-        if ingest and n > 1:  # context rows 0..n-2; the block drafted here is discarded
-            self._run_draft(slot, features[:, :n - 1], np.array([n - 1]), np.zeros(1, np.int64),
-                            np.zeros(1, np.int64), np.zeros(1, np.float32), np.zeros((1, self.block_size)))
+        if not ingest:
+            return logits[0, 0], features[0]
+        if n > 1:  # context rows 0..n-2; the block drafted here is discarded
+            zero = np.zeros(1, np.int64)
+            self._run_draft(slot, features[:, :n - 1], np.array([n - 1]), zero, zero, zero,
+                            np.zeros(1, np.float32), np.zeros((1, self.block_size)))
         return logits[0, 0], features[0, n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -217,15 +220,17 @@ class OrtBackend:
         return logits, features
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
+        floors = np.zeros_like(ctx_starts) if floors is None else floors
         if not self.drafter_int8 or len(counts) == 1 or self._greedy_call(temperatures):
-            return self._run_draft(0, features, counts, ctx_starts, anchors, temperatures, uniforms)
+            return self._run_draft(0, features, counts, ctx_starts, floors, anchors, temperatures, uniforms)
         # The int8 graph quantizes activations with one scale per call, so one call over several
         # rows would make a sampled request's proposals depend on its neighbours: each busy row
         # drafts alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
         busy = [int(r) for r in np.flatnonzero(counts)]
         rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
-                                   anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1]) for r in busy}
+                                   floors[r:r + 1], anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1])
+                for r in busy}
         B, gamma = len(counts), self.block_size
         tokens, conf = np.zeros((B, gamma), np.int64), np.zeros((B, gamma), np.float32)  # [B, γ]
         sampled = [r for r, d in rows.items() if d.probs is not None]
@@ -237,7 +242,7 @@ class OrtBackend:
         return Draft(tokens, probs, conf)
 
     def _run_draft(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
-                   anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+                   floors: np.ndarray, anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
         B, n, _ = features.shape
         starts = ctx_starts + counts  # [B] block positions start..start+γ-1
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
@@ -250,7 +255,7 @@ class OrtBackend:
             anchor=np.asarray(anchors, np.int64),
             temperature=np.asarray(temperatures, np.float32),
             uniforms=np.asarray(uniforms, np.float32),  # [B, γ]
-            past_mask=row_mask(ctx_starts),  # [B, max(ctx_starts)]
+            past_mask=row_mask(ctx_starts, floors=floors),  # [B, max(ctx_starts)]
             ctx_mask=row_mask(counts, n),  # [B, n]
         )))
         self.draft_kv.write([out[k] for k in graph.outputs if k.startswith("ctx_")], ctx_starts, lo)

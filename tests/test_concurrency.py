@@ -99,6 +99,37 @@ def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
     np.testing.assert_allclose(lo[1], tb._row(1, tokens[1], int(starts[1]))[0], atol=1e-4)
 
 
+def test_drafter_floor_masks_older_context(tiny_bundle, engines):
+    """Past a floor the drafter reads only [floor, start): slot 1, whose cache below the floor holds
+    another context, drafts what slot 0 drafts, on both backends; without the floor it would not."""
+    from dspark.export import TorchBackend
+    from dspark.runtime.manifest import Manifest
+    from dspark.runtime.ort_backend import OrtBackend
+
+    solo_engine, _ = engines
+    manifest = Manifest.load(tiny_bundle.path)
+    ob = OrtBackend(tiny_bundle.path, manifest, MAX_SEQ, drafter_graph="fp32", slots=2)
+    tb = TorchBackend(tiny_bundle.target, tiny_bundle.drafter, MAX_SEQ, slots=2)
+    ids = np.asarray(solo_engine.encode(PROMPTS[2]), np.int64)
+    n, floor = len(ids), len(ids) - 3
+    _, feats = ob.prefill(0, ids, False)  # [n, F]: without ingest, every prompt row comes back
+    assert feats.shape == (n, manifest.drafter.feature_dim)
+    other = np.random.default_rng(1).normal(size=(floor, feats.shape[1])).astype(np.float32)
+    gamma = ob.block_size
+    zeros2 = (np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros((2, gamma)))
+    for be in (ob, tb):  # positions [0, floor): the real rows in slot 0, other rows in slot 1
+        be.draft(np.stack([feats[:floor], other]), np.full(2, floor), np.zeros(2, np.int64), *zeros2)
+    recent = np.stack([feats[floor:]] * 2)  # [2, 3, F]
+    args = (np.full(2, n - floor), np.full(2, floor), np.array([7, 7]), np.zeros(2, np.float32), np.zeros((2, gamma)))
+    (do, dt), (wo, wt) = [[be.draft(recent, *args, floors=np.full(2, f)) for be in (ob, tb)] for f in (floor, 0)]
+    for d in (do, dt):
+        assert d.tokens[0].tolist() == d.tokens[1].tolist()
+        np.testing.assert_allclose(d.confidence_logits[0], d.confidence_logits[1], atol=1e-5)
+    assert do.tokens.tolist() == dt.tokens.tolist()
+    np.testing.assert_allclose(do.confidence_logits, dt.confidence_logits, atol=1e-4)
+    assert not np.allclose(wo.confidence_logits[0], wo.confidence_logits[1], atol=1e-3)  # the floor did it
+
+
 def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
     """The standard-op target graph (what TensorRT reads) serves batched verification by itself."""
     solo_engine, _ = engines

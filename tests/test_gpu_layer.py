@@ -40,6 +40,8 @@ def test_past_mask_pads_to_the_bucket():
     m = past_mask(3, 8)
     assert m.shape == (1, 8) and (m[0, :3] == 0).all() and (m[0, 3:] == MASKED).all()
     assert (past_mask(0, 4) == MASKED).all()  # an empty past: every row masked, no zero-size axis
+    m = past_mask(5, 8, floor=2)  # the context restarts at position 2
+    assert (m[0, 2:5] == 0).all() and (m[0, :2] == MASKED).all() and (m[0, 5:] == MASKED).all()
 
 
 @pytest.fixture(scope="module")

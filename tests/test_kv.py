@@ -26,3 +26,8 @@ def test_row_mask():
     assert (m == np.array([[MASKED] * 3, [0, 0, MASKED], [0, 0, 0]], np.float32)).all()
     assert row_mask(np.array([0])).shape == (1, 1)  # never a zero-size axis
     assert row_mask(np.array([1, 2]), 4).shape == (2, 4)
+
+
+def test_row_mask_with_floors():
+    m = row_mask(np.array([3, 4]), 5, floors=np.array([0, 2]))  # row 1 reads columns 2..3 only
+    assert (m == np.array([[0, 0, 0, MASKED, MASKED], [MASKED, MASKED, 0, 0, MASKED]], np.float32)).all()

@@ -162,7 +162,7 @@ class ExampleBackend:
         B, S = tokens.shape
         return np.broadcast_to(np.log(P_T), (B, S, 2)).copy(), np.zeros((B, S, 1), np.float32)
 
-    def draft(self, features, counts, ctx_starts, anchors, temperatures, uniforms):
+    def draft(self, features, counts, ctx_starts, anchors, temperatures, uniforms, floors=None):
         tokens = (uniforms >= 0.5).astype(np.int64)  # inverse CDF of (0.5, 0.5)
         conf = np.concatenate([example_confidences(int(d[0])) for d in tokens])
         return Draft(tokens, np.full(tokens.shape + (2,), 0.5), conf)

@@ -41,8 +41,8 @@ class Perturbed:
         logits, feats = self.inner.target(tokens, starts)
         return logits + 0.1, feats
 
-    def draft(self, *args) -> Draft:
-        return self.inner.draft(*args)
+    def draft(self, *args, **kwargs) -> Draft:
+        return self.inner.draft(*args, **kwargs)
 
 
 def test_validate_catches_a_wrong_backend(tiny_bundle):

@@ -47,8 +47,10 @@ class Buckets:
         return [(lo, min(lo + self.prefill_chunk, n)) for lo in range(0, n, self.prefill_chunk)]
 
 
-def past_mask(length: int, width: int, batch: int = 1) -> np.ndarray:
-    """[B, width] additive mask: rows [0, length) visible, rows [length, width) masked."""
+def past_mask(length: int, width: int, batch: int = 1, floor: int = 0) -> np.ndarray:
+    """[B, width] additive mask: rows [floor, length) visible, the rest (below the floor, and
+    [length, width)) masked."""
     mask = np.zeros((batch, width), np.float32)
+    mask[:, :floor] = MASKED
     mask[:, length:] = MASKED
     return mask

@@ -148,8 +148,10 @@ class GraphBackend:
         tokens = np.asarray(tokens, np.int64)
         n = len(tokens)
         logits, feats = self._target_rows(tokens, 0, 1)  # [1, V], [n, F]
-        if ingest and n > 1:  # context rows 0..n-2; the block drafted here is discarded
-            self._draft_rows(feats[:n - 1], 0, 0, 0.0, np.zeros(self.block_size))
+        if not ingest:
+            return logits[0], feats
+        if n > 1:  # context rows 0..n-2; the block drafted here is discarded
+            self._draft_rows(feats[:n - 1], 0, 0, 0, 0.0, np.zeros(self.block_size))
         return logits[0], feats[n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -203,9 +205,10 @@ class GraphBackend:
         return np.array([a], np.int64), np.array([token], np.int64), feats
 
     def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
+              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
         _check_rows(len(features))
-        out = self._draft_rows(features[0, :int(counts[0])], int(ctx_starts[0]), int(anchors[0]),
+        floor = 0 if floors is None else int(floors[0])
+        out = self._draft_rows(features[0, :int(counts[0])], int(ctx_starts[0]), floor, int(anchors[0]),
                                float(temperatures[0]), uniforms[0])
         d = self.device
         tokens = d.download(out["draft_tokens"]).astype(np.int64, copy=False)  # [1, γ]
@@ -214,11 +217,12 @@ class GraphBackend:
             return DeviceDraft(tokens, confidence, d, out["draft_probs"])
         return Draft(tokens, d.download(out["draft_probs"]).astype(np.float32, copy=False), confidence)
 
-    def _draft_rows(self, features: np.ndarray, ctx_start: int, anchor: int, temperature: float,
+    def _draft_rows(self, features: np.ndarray, ctx_start: int, floor: int, anchor: int, temperature: float,
                     uniforms: np.ndarray) -> Outputs:
         """Context rows features [n, F] at ctx_start.. in chunks, the block after them: a chunk's K/V
         depend only on its features and positions, so every chunk but the last drafts a block whose
-        outputs are dropped. Returns the last chunk's outputs (on the device)."""
+        outputs are dropped. Cached rows below `floor` are masked. Returns the last chunk's outputs
+        (on the device)."""
         gamma, n = self.block_size, len(features)
         start = ctx_start + n
         if self._drafter is None:
@@ -235,7 +239,7 @@ class GraphBackend:
                 "anchor": np.array([anchor], np.int64),
                 "temperature": np.array([temperature], np.float32),
                 "uniforms": np.asarray(uniforms, np.float32)[None],  # [1, γ]
-                "past_mask": past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo)),
+                "past_mask": past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo), floor=floor),
                 "ctx_mask": np.zeros((1, hi - lo), np.float32),  # [1, m] every row is real at batch 1
             }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
         self._draft_out = out
