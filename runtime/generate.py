@@ -6,7 +6,13 @@ own ℓ_r drafts (rows right-padded to 1 + max ℓ). Requests join free slots an
 between steps. A request's output does not depend on who else is in the batch: it has
 its own RNG stream (seeded by its SamplingParams), and the scheduler's choice of ℓ_r
 never changes the output distribution (greedy: the tokens). The target alone when
-`scheduler` is None."""
+`scheduler` is None.
+
+While a scheduler skips the drafter (`should_draft`), the context the drafter misses piles up;
+the next drafting round feeds it at most `catch_up` rows per request and the drafter's context
+restarts there (older positions are masked), so a probe after a long skip, or the first round
+of a request that joined meanwhile (its prompt is then not fed at join), costs about one
+drafter pass. Only the proposals change, never the output."""
 from __future__ import annotations
 
 import time
@@ -20,6 +26,8 @@ from .backend import Backend, Draft
 from .errors import InputError
 from .sampling import check_temperature, sample_token, verify
 from .scheduler import History, Scheduler
+
+CATCH_UP = 32  # context rows per request that a drafting round after skipped steps feeds at most
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,16 @@ class _Active:
     # target features not yet fed to the drafter, [rows, F] chunks: start - ctx_start rows in all
     # (a list, so that steps without drafting append in O(1))
     ctx: list[np.ndarray] = field(default_factory=list)
+    floor: int = 0  # the drafter reads its context from this position on
     out: list[int] = field(default_factory=list)
     done: str = ""  # the finish reason once finished
+
+    def window(self, rows: int) -> None:
+        """Keep at most the newest `rows` features not yet fed to the drafter; the drafter's
+        context then restarts at the oldest kept one."""
+        if sum(map(len, self.ctx)) > rows:
+            self.ctx = [np.concatenate(self.ctx)[-rows:]]
+            self.floor = self.start - rows
 
     def commit(self, tokens: list[int]) -> None:
         """Append tokens up to the first stop token or the budget; set `done` when the request ends."""
@@ -140,9 +156,13 @@ def check_requests(backend: Backend, requests: Sequence[Request]) -> None:
                              f"= {need} exceeds the context of {backend.max_seq} positions")
 
 
-def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Scheduler | None) -> list[Generation]:
-    """Serve `requests`, at most `backend.slots` at a time, in order of arrival; results in the same order."""
+def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Scheduler | None,
+                   catch_up: int = CATCH_UP) -> list[Generation]:
+    """Serve `requests`, at most `backend.slots` at a time, in order of arrival; results in the same order.
+    `catch_up` (> γ, so that a request drafted every step keeps its whole context): see the module doc."""
     check_requests(backend, requests)
+    if catch_up <= backend.block_size:
+        raise InputError(f"catch_up is {catch_up}, expected more than the block size {backend.block_size}")
     queue = deque(range(len(requests)))
     slots: list[_Active | None] = [None] * backend.slots
     results: list[Generation | None] = [None] * len(requests)
@@ -151,12 +171,13 @@ def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Sch
 
     while queue or any(slots):
         for s in range(backend.slots):  # join: prefill new requests into free slots
-            if slots[s] is None and queue:
-                slots[s] = _prefill(backend, s, queue.popleft(), requests, speculative)
+            if slots[s] is None and queue:  # while the drafter is skipped, its prompt waits for the next round
+                defer = catch_up if speculative and history.undrafted else 0
+                slots[s] = _prefill(backend, s, queue.popleft(), requests, speculative, defer)
         rows = [s for s, a in enumerate(slots) if a is not None and not a.done]
         if rows:
             drafting = speculative and scheduler.should_draft(history, len(rows))
-            _step(backend, slots, rows, scheduler if drafting else None, history, speculative)
+            _step(backend, slots, rows, scheduler if drafting else None, history, speculative, catch_up)
         for s, a in enumerate(slots):  # leave: finished requests free their slot
             if a is not None and a.done:
                 a.stats.times["total"] = time.perf_counter() - a.t_join
@@ -165,23 +186,29 @@ def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Sch
     return results
 
 
-def _prefill(backend: Backend, slot: int, index: int, requests: Sequence[Request], speculative: bool) -> _Active:
+def _prefill(backend: Backend, slot: int, index: int, requests: Sequence[Request], speculative: bool,
+             defer: int) -> _Active:
+    """A request joins `slot`. With `defer` > 0 the drafter is not fed its prompt now: the newest
+    `defer` prompt rows wait for the next drafting round."""
     req = requests[index]
     gamma = backend.block_size
     t0 = time.perf_counter()
     a = _Active(index, req, np.random.default_rng(req.params.seed),
                 Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64)), t0)
-    logits, feats = backend.prefill(slot, np.asarray(req.prompt_ids, dtype=np.int64), speculative)  # [V], [1, F]
+    ingest = speculative and not defer
+    logits, feats = backend.prefill(slot, np.asarray(req.prompt_ids, dtype=np.int64), ingest)  # [V], [1 or n, F]
     a.anchor = sample_token(logits, req.params.temperature, a.rng.random())
     a.start = len(req.prompt_ids)
-    a.ctx = [feats] if speculative else []  # the drafter has positions 0..n-2; row n-1 comes next
+    a.ctx = [feats] if speculative else []  # ingested: the drafter has positions 0..n-2; row n-1 comes next
+    if defer:
+        a.window(defer)
     a.stats.times["prefill"] = time.perf_counter() - t0
     a.commit([a.anchor])
     return a
 
 
 def _step(backend: Backend, slots: list[_Active | None], rows: list[int], scheduler: Scheduler | None,
-          history: History, speculative: bool) -> None:
+          history: History, speculative: bool, catch_up: int) -> None:
     """One cycle for the requests in `rows` (slot indices): drafted and verified when a scheduler
     is given, else one target token each (features kept for the drafter when `speculative`)."""
     B, R, gamma = rows[-1] + 1, len(rows), backend.block_size
@@ -199,11 +226,15 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
             a.start += 1
             if speculative:
                 a.ctx.append(feats[s])
+                if len(a.ctx) > 2 * catch_up:  # bounded memory while the drafter is skipped
+                    a.window(catch_up)
             _record(a, 0, 0, R, decode=t1 - t0)
             a.commit([a.anchor])
         history.undrafted += 1
         return
 
+    for a in act:
+        a.window(catch_up)
     u = np.zeros((B, 2 * gamma + 1))  # [B, 2γ+1] draft draws, acceptance draws, the emitted token's draw
     u[rows] = [a.rng.random(2 * gamma + 1) for a in act]
     counts = np.zeros(B, np.int64)  # [B] new context rows per slot
@@ -211,12 +242,14 @@ def _step(backend: Backend, slots: list[_Active | None], rows: list[int], schedu
     features = np.zeros((B, counts.max(), act[0].ctx[0].shape[1]), np.float32)  # [B, n, F] right-padded
     for s, a in zip(rows, act):
         features[s, :counts[s]] = np.concatenate(a.ctx)
+    floors = np.zeros(B, np.int64)  # [B]
+    floors[rows] = [a.floor for a in act]
     anchors = np.zeros(B, np.int64)
     anchors[rows] = [a.anchor for a in act]
     temps = np.zeros(B)  # [B] float64, as the host acceptance rule gets them
     temps[rows] = [a.request.params.temperature for a in act]
     t0 = time.perf_counter()  # the phases time the engine calls; the rest of the cycle is the loop's
-    draft = backend.draft(features, counts, starts - counts, anchors, temps, u[:, :gamma])
+    draft = backend.draft(features, counts, starts - counts, anchors, temps, u[:, :gamma], floors=floors)
     t1 = time.perf_counter()
 
     conf = draft.confidence_logits[rows]  # [R, γ]

@@ -130,6 +130,48 @@ def test_drafter_floor_masks_older_context(tiny_bundle, engines):
     assert not np.allclose(wo.confidence_logits[0], wo.confidence_logits[1], atol=1e-3)  # the floor did it
 
 
+def test_skipped_steps_catch_up_within_a_window(tiny_bundle, engines):
+    """With the drafter gate skipping steps, requests joining meanwhile are not fed to the drafter
+    at join, and a round after a long skip feeds at most `catch_up` rows with the context
+    restarting there (asserted: both happen); greedy outputs stay those of the target alone."""
+    from dspark.runtime.generate import Request, SamplingParams, generate, generate_batch
+    from dspark.runtime.schedulers import make_scheduler
+
+    solo_engine, batch_engine = engines
+    inner, seen = batch_engine.backend, {"deferred": 0, "floored": 0, "max_rows": 0}
+
+    class Recording:
+        block_size, vocab_size, max_seq, slots = inner.block_size, inner.vocab_size, inner.max_seq, inner.slots
+
+        def prefill(self, slot, tokens, ingest):
+            seen["deferred"] += not ingest
+            return inner.prefill(slot, tokens, ingest)
+
+        def target(self, tokens, starts):
+            return inner.target(tokens, starts)
+
+        def draft(self, features, counts, ctx_starts, *args, floors):
+            seen["floored"] += int((floors > 0).sum())
+            seen["max_rows"] = max(seen["max_rows"], int(counts.max()))
+            return inner.draft(features, counts, ctx_starts, *args, floors=floors)
+
+    prompts = PROMPTS * 2
+    budgets = [12, 40, 25, 40, 8, 30, 40, 12, 40, 20]  # requests leave at different steps
+    requests = [Request(solo_engine.encode(p), SamplingParams(0.0, m)) for p, m in zip(prompts, budgets)]
+    catch_up = inner.block_size + 1
+    dear = make_scheduler("cost", sps=SpsTable(SPS.sps, (1.0, 1.2, 1.4)), calibration=batch_engine.calibration)
+    gens = generate_batch(Recording(), requests, dear, catch_up=catch_up)  # a dear drafter: long skips
+    assert seen["deferred"] > 0 and seen["floored"] > 0, seen
+    assert seen["max_rows"] <= catch_up, seen
+    for req, got in zip(requests, gens):
+        ids = list(req.prompt_ids)
+        alone = generate(solo_engine.backend, ids, req.params, None)
+        m = greedy_match(alone.token_ids, got.token_ids, reference_logits(tiny_bundle.target, ids, alone.token_ids))
+        assert m.ok, m
+    with pytest.raises(InputError, match="catch_up"):
+        generate_batch(inner, requests[:1], batch_engine.scheduler("cost"), catch_up=inner.block_size)
+
+
 def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
     """The standard-op target graph (what TensorRT reads) serves batched verification by itself."""
     solo_engine, _ = engines
