@@ -12,7 +12,8 @@ side by side, greedy, over GSM8K and MT-Bench prompts (first turn). Each R level
 2·R requests (at least --min-requests) through R slots, so requests join and leave;
 the contenders run one after the other on the same engine after a warm-up, in --rounds
 rounds of alternating order (A B C, C B A, ...) so that a drift of a shared machine's speed
-falls on all of them; tokens/s pools the rounds. Greedy outputs at R > 1 are compared with
+falls on all of them (an even number of rounds gives every contender each position equally
+often); tokens/s pools the rounds. Greedy outputs at R > 1 are compared with
 the same scheduler's R = 1 outputs.
 
     python scripts/bench_concurrency.py --bundle engines/smollm2 --out /tmp/conc.json --png /tmp/conc.png
