@@ -13,8 +13,10 @@ side by side, greedy, over GSM8K and MT-Bench prompts (first turn). Each R level
 the contenders run one after the other on the same engine after a warm-up, in --rounds
 rounds of alternating order (A B C, C B A, ...) so that a drift of a shared machine's speed
 falls on all of them (an even number of rounds gives every contender each position equally
-often); tokens/s pools the rounds. Greedy outputs at R > 1 are compared with
-the same scheduler's R = 1 outputs.
+often); tokens/s pools the rounds, and each level prints the per-round ratios and every
+contender's wall split into the seconds inside the engine's calls (prefill, target, drafter)
+and the loop's rest. Greedy outputs at R > 1 are compared with the same scheduler's R = 1
+outputs.
 
     python scripts/bench_concurrency.py --bundle engines/smollm2 --out /tmp/conc.json --png /tmp/conc.png
 
@@ -49,12 +51,40 @@ def load_prompts(data_dir: Path, n: int) -> list[str]:
     return mixed
 
 
+class TimedBackend:
+    """The engine's backend with the seconds spent inside each of its calls added up, so that a
+    contender's wall splits into prefill, target, drafter and the loop's own rest."""
+
+    CALLS = ("prefill", "target", "draft")
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, dict.fromkeys(self.CALLS, 0.0)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name not in self.CALLS:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return timed
+
+
 def run_level(engine: Engine, prompts: list[str], scheduler: str, max_new_tokens: int) -> dict:
     """One pass of `prompts` through the engine's slots under `scheduler` (after a warm-up)."""
     engine.generate_batch(prompts[:engine.backend.slots], max_new_tokens=8, scheduler=scheduler)  # warm-up
-    t0 = time.perf_counter()
-    results = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, scheduler=scheduler)
-    return {"wall_s": time.perf_counter() - t0, "results": results}
+    timed = engine.backend = TimedBackend(engine.backend)
+    try:
+        t0 = time.perf_counter()
+        results = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, scheduler=scheduler)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.backend = timed.inner
+    return {"wall_s": wall, "results": results, "call_s": timed.seconds}
 
 
 def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
@@ -66,6 +96,7 @@ def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
         "scheduler": scheduler, "resolved": getattr(engine.scheduler(scheduler), "name", "none"),
         "requests": len(runs[0]["results"]), "rounds": len(runs), "tokens": int(sum(tokens)),
         "wall_s": sum(run["wall_s"] for run in runs),
+        "call_s": {k: sum(run["call_s"][k] for run in runs) for k in TimedBackend.CALLS},
         "total_tok_s": sum(tokens) / sum(run["wall_s"] for run in runs),
         "round_total_tok_s": [sum(len(r.token_ids) for r in run["results"]) / run["wall_s"] for run in runs],
         "per_request_tok_s": float(np.mean([r.stats.to_dict(n)["tokens_per_s"] for r, n in zip(results, tokens)])),
@@ -145,11 +176,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{level['total_tok_s']:>12.1f} {level['per_request_tok_s']:>14.1f} {level['tau']:>5.2f} "
                   f"{level['mean_verified']:>5.2f} {level['mean_batch']:>6.1f} "
                   f"{level['identical_to_first_level']:>8}/{compared}", flush=True)
-        if {"none", "fixed"} <= set(levels[R]):
-            best = max(levels[R]["none"]["total_tok_s"], levels[R]["fixed"]["total_tok_s"])
-            print("    total tok/s / best of (none, fixed): " + ", ".join(
-                f"{name} {lv['total_tok_s'] / best:.3f}x" for name, lv in levels[R].items()
-                if name not in ("none", "fixed")), flush=True)
+        baselines = [name for name in ("none", "fixed") if name in levels[R]]
+        if baselines:
+            best = max(baselines, key=lambda name: levels[R][name]["total_tok_s"])
+            print(f"    total tok/s / best of ({', '.join(baselines)}) = {best} [per round]: " + ", ".join(
+                f"{name} {lv['total_tok_s'] / levels[R][best]['total_tok_s']:.3f}x ["
+                + " ".join(f"{a / b:.2f}" for a, b in zip(lv["round_total_tok_s"], levels[R][best]["round_total_tok_s"]))
+                + "]" for name, lv in levels[R].items() if name not in baselines), flush=True)
+        for name, lv in levels[R].items():
+            calls = lv["call_s"]
+            print(f"    {name} wall {lv['wall_s']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in calls.items())
+                  + f", loop {lv['wall_s'] - sum(calls.values()):.2f}", flush=True)
         del engine
     if args.png:
         plot(levels, args.png)
