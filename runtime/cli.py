@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
-    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speed ratio")
+    p.add_argument("--compare", action="store_true", help="also run the target alone and print the speed ratio (both warm up on the prompt first)")
 
     p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
                        "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
@@ -221,6 +221,11 @@ def cmd_generate(args) -> int:
     engine = _load(args)
     kwargs = _gen_kwargs(args)
     stream = None if args.json else (lambda s: print(s, end="", flush=True))
+    compare = args.compare and kwargs["scheduler"] != "none"
+    if compare:  # both contenders warm up first: an engine's first calls of a shape are slower
+        for scheduler in (kwargs["scheduler"], "none"):
+            engine.generate(args.prompt, chat=not args.raw, **{**kwargs, "scheduler": scheduler,
+                                                               "max_new_tokens": min(16, args.max_new_tokens)})
     result = engine.generate(args.prompt, chat=not args.raw, on_text=stream, **kwargs)
     stats = result.stats.to_dict(len(result.token_ids))
     if args.json:
@@ -230,7 +235,7 @@ def cmd_generate(args) -> int:
     label = "target alone" if kwargs["scheduler"] == "none" else f"DSpark ({kwargs['scheduler']})"
     print(f"[{label}] {len(result.token_ids)} tokens, τ = {stats['tau']:.2f}, {_speed(stats)} "
           f"({result.finish_reason}); drafter: {engine.manifest.drafter_label}", file=sys.stderr)
-    if args.compare and kwargs["scheduler"] != "none":
+    if compare:
         alone = engine.generate(args.prompt, chat=not args.raw, **{**kwargs, "scheduler": "none"})
         a = alone.stats.to_dict(len(alone.token_ids))
         same = "identical" if alone.token_ids == result.token_ids else "DIFFERENT"

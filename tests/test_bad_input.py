@@ -227,6 +227,24 @@ def test_good_request_after_errors_on_the_cli(tiny_bundle, good, capsys):
     assert rc == 0 and json.loads(out)["token_ids"] == good[1]
 
 
+def test_compare_warms_both_contenders_up_first(tiny_bundle, capsys, monkeypatch):
+    """`--compare` times DSpark and the target alone only after each ran once on the prompt:
+    otherwise the first contender alone pays the engine's first calls of each shape."""
+    calls = []
+    generate = Engine.generate
+
+    def recording(self, prompt, **kwargs):
+        calls.append((kwargs["scheduler"], kwargs["max_new_tokens"]))
+        return generate(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", recording)
+    rc = main(["generate", "--bundle", str(tiny_bundle.path), "--prompt", PROMPT, "--max-new-tokens", "24",
+               "--max-seq", "128", "--scheduler", "fixed", "--compare"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "outputs identical" in err and "speedup" in err
+    assert calls == [("fixed", 16), ("none", 16), ("fixed", 24), ("none", 24)]
+
+
 # --- help ------------------------------------------------------------------------------------------
 
 def test_help(capsys):
