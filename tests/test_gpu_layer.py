@@ -112,6 +112,11 @@ def test_graph_backend_steps_match_reference_rows(models):
     d, r = be.draft(fp[None], *args), ref.draft(fq[None], *args)  # distributions stay on the device until read
     assert d.tokens.shape == (1, 4) and d.tokens.tolist() == r.tokens.tolist()
     assert np.abs(d.probs - r.probs).max() < 1e-5
+    floors = np.array([3])  # the same round with the context restarting at position 3
+    df, rf = be.draft(fp[None], *args, floors=floors), ref.draft(fq[None], *args, floors=floors)
+    assert df.tokens.tolist() == rf.tokens.tolist() and np.abs(df.probs - rf.probs).max() < 1e-5
+    np.testing.assert_allclose(df.confidence_logits, rf.confidence_logits, atol=1e-4)
+    assert np.abs(df.confidence_logits - d.confidence_logits).max() > 1e-2  # the floor masked something
 
 
 def test_graph_backend_refuses_concurrent_requests(models):
