@@ -172,8 +172,8 @@ def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Sch
     while queue or any(slots):
         for s in range(backend.slots):  # join: prefill new requests into free slots
             if slots[s] is None and queue:  # while the drafter is skipped, its prompt waits for the next round
-                defer = catch_up if speculative and history.undrafted else 0
-                slots[s] = _prefill(backend, s, queue.popleft(), requests, speculative, defer)
+                ingest = speculative and not history.undrafted
+                slots[s] = _prefill(backend, s, queue.popleft(), requests, speculative, ingest)
         rows = [s for s, a in enumerate(slots) if a is not None and not a.done]
         if rows:
             drafting = speculative and scheduler.should_draft(history, len(rows))
@@ -187,21 +187,18 @@ def generate_batch(backend: Backend, requests: Sequence[Request], scheduler: Sch
 
 
 def _prefill(backend: Backend, slot: int, index: int, requests: Sequence[Request], speculative: bool,
-             defer: int) -> _Active:
-    """A request joins `slot`. With `defer` > 0 the drafter is not fed its prompt now: the newest
-    `defer` prompt rows wait for the next drafting round."""
+             ingest: bool) -> _Active:
+    """A request joins `slot`. Without `ingest` the drafter is not fed its prompt now: the prompt
+    rows wait for the next drafting round (which windows them to `catch_up`)."""
     req = requests[index]
     gamma = backend.block_size
     t0 = time.perf_counter()
     a = _Active(index, req, np.random.default_rng(req.params.seed),
                 Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64)), t0)
-    ingest = speculative and not defer
     logits, feats = backend.prefill(slot, np.asarray(req.prompt_ids, dtype=np.int64), ingest)  # [V], [1 or n, F]
     a.anchor = sample_token(logits, req.params.temperature, a.rng.random())
     a.start = len(req.prompt_ids)
     a.ctx = [feats] if speculative else []  # ingested: the drafter has positions 0..n-2; row n-1 comes next
-    if defer:
-        a.window(defer)
     a.stats.times["prefill"] = time.perf_counter() - t0
     a.commit([a.anchor])
     return a
