@@ -487,9 +487,51 @@ class LossTerms:
         return self.accept_sum / self.slot_count.clamp_min(1) + torch.where(self.slot_count > 0, 0.0, math.nan)
 
 
-def acceptance_target(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
-    """c* = 1 − ½‖p_d − p_t‖₁ over the last axis, detached (the exact acceptance probability)."""
-    return (1.0 - 0.5 * (p_d - p_t).abs().sum(-1)).detach().clamp(0.0, 1.0)
+class DistillLoss(torch.autograd.Function):
+    """Σ a·CE(p_d, x*) + b·‖p_d − p_t‖₁ over rows, with its gradient, one chunk of rows at a time.
+
+    logits [M, V] draft logits (any float dtype; softmax in fp32), target_logits [M, V] (no
+    gradient), labels [M], a, b [M] fp32 coefficients -> (scalar loss, ce [M], l1 [M]); ce and
+    l1 are detached. The gradient with respect to the logits, a·(p_d − onehot(x*)) +
+    b·p_d ⊙ (s − ⟨p_d, s⟩) with s = sign(p_d − p_t), is formed in the forward pass chunk by
+    chunk, so the [M, V] intermediates of the plain autograd graph (log-softmax, probabilities,
+    differences, signs and their backward passes, ~0.5 GB each in the shipped config's step)
+    never exist."""
+
+    CHUNK = 16  # rows: a [16, 49152] fp32 temporary is 3 MB
+
+    @staticmethod
+    def forward(ctx, logits, target_logits, labels, a, b):
+        M = logits.shape[0]
+        grad = torch.empty_like(logits)  # [M, V] d loss / d logits
+        ce = logits.new_empty(M, dtype=torch.float32)
+        l1 = logits.new_empty(M, dtype=torch.float32)
+        with torch.autocast(logits.device.type, enabled=False):
+            DistillLoss._rows(logits, target_logits, labels, a, b, grad, ce, l1)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(ce, l1)
+        return (a * ce).sum() + (b * l1).sum(), ce, l1
+
+    @staticmethod
+    def _rows(logits, target_logits, labels, a, b, grad, ce, l1) -> None:
+        for lo in range(0, logits.shape[0], DistillLoss.CHUNK):
+            sl = slice(lo, lo + DistillLoss.CHUNK)
+            logp = torch.log_softmax(logits[sl].float(), dim=-1)  # [c, V]
+            p = logp.exp()
+            s = p - torch.softmax(target_logits[sl].float(), dim=-1)  # p_d − p_t
+            l1[sl] = s.abs().sum(-1)
+            s.sign_()
+            y = labels[sl, None]  # [c, 1]
+            ce[sl] = -logp.gather(-1, y)[:, 0]
+            g = s.sub_((p * s).sum(-1, keepdim=True)).mul_(p).mul_(b[sl, None])  # b·p ⊙ (s − ⟨p, s⟩)
+            g.add_(p.mul_(a[sl, None]))  # + a·p
+            g.scatter_add_(-1, y, -a[sl, None])  # − a·onehot(x*)
+            grad[sl] = g
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_ce, _g_l1):
+        (grad,) = ctx.saved_tensors
+        return grad * g_loss.to(grad.dtype), None, None, None, None
 
 
 def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, target_logits: torch.Tensor,
@@ -509,23 +551,18 @@ def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, t
     def wmean(t: torch.Tensor) -> torch.Tensor:  # t [N, γ]
         return (w * t).sum() / denom
 
-    logp_d = torch.log_softmax(logits.float(), dim=-1)  # [N, γ, V]
-    ce = -logp_d.gather(-1, labels[..., None])[..., 0]  # [N, γ]
-    p_d = logp_d.exp()
-    p_t = torch.softmax(target_logits.float(), dim=-1)  # [N, γ, V] T = 1
-    l1 = (p_d - p_t).abs().sum(-1)  # [N, γ] ‖p_d − p_t‖₁
-    c_star = acceptance_target(p_d, p_t)  # [N, γ]
-    zero = logits.new_zeros((), dtype=torch.float32)
-    bce = zero
+    a = w * ((1.0 if cfg.dflash else cfg.alpha_ce) / denom)  # [N, γ] each slot's CE coefficient in the total
+    b = w * (0.0 if cfg.dflash else cfg.alpha_tv / denom)  # DFlash: ‖p_d − p_t‖₁ logged, not optimised
+    V = logits.shape[-1]
+    head, ce, l1 = DistillLoss.apply(logits.reshape(-1, V), target_logits.reshape(-1, V), labels.reshape(-1),
+                                     a.reshape(-1).float(), b.reshape(-1).float())
+    ce, l1 = ce.view_as(w), l1.view_as(w)  # [N, γ]
+    c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0)  # the exact acceptance probability of each slot
+    bce = logits.new_zeros((), dtype=torch.float32)
     if confidence_logits is not None:
         bce = wmean(F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star, reduction="none"))
-    ce_m = wmean(ce)
-    if cfg.dflash:
-        tv_m = wmean(l1).detach()  # logged, not optimised
-        total = ce_m
-    else:
-        tv_m = wmean(l1)
-        total = cfg.alpha_ce * ce_m + cfg.alpha_tv * tv_m + cfg.alpha_conf * bce
+    total = head if cfg.dflash else head + cfg.alpha_conf * bce
+    ce_m, tv_m = wmean(ce), wmean(l1)  # logged
     vf = valid.float()
     return LossTerms(total, ce_m, tv_m, bce, (c_star * vf).sum(0).detach(), vf.sum(0))
 

@@ -17,7 +17,7 @@ from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache
                                       OnTheFlySource, Prompt, cache_features, first_question, generate_responses,
                                       load_generator, load_train_prompts, read_prompts, read_responses,
                                       synthesize_prompts, target_states)
-from dspark.export.training import (BatchPlan, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
+from dspark.export.training import (BatchPlan, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
                                     build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
                                     drafter_param_count, lr_at, make_batch, max_markov_rank, sample_anchors,
                                     slot_weights, teacher_forced_heads, teacher_logits)
@@ -183,6 +183,39 @@ def test_losses_by_hand():
     assert t1.tv.item() == pytest.approx(l1[0], abs=1e-6) and t1.ce.item() == pytest.approx(ce[0], abs=1e-6)
     assert math.isnan(t1.acceptance[1].item())
     assert slot_weights(7, 4.0).tolist() == pytest.approx([math.exp(-k / 4) for k in range(7)])
+
+
+@pytest.mark.parametrize("dflash", [False, True])
+def test_distill_loss_gradient_equals_autograd(dflash):
+    g = torch.Generator().manual_seed(1)
+    N, gamma, V = 5, 3, 40  # 15 rows: one full chunk of 16 is not reached, and CHUNK=4 below crosses chunks
+    logits = (2 * torch.randn(N, gamma, V, generator=g)).requires_grad_()
+    tlogits = 2 * torch.randn(N, gamma, V, generator=g)
+    labels = torch.randint(0, V, (N, gamma), generator=g)
+    valid = torch.rand(N, gamma, generator=g) > 0.2
+    conf = torch.randn(N, gamma, generator=g).requires_grad_()
+    cfg = _cfg(markov_rank=0, dflash=True) if dflash else _cfg()
+    w = slot_weights(gamma, cfg.decay)[None] * valid
+    # the plain autograd formulation (what the fused loss replaces)
+    logp = torch.log_softmax(logits, -1)
+    ce = -logp.gather(-1, labels[..., None])[..., 0]
+    l1 = (logp.exp() - tlogits.softmax(-1)).abs().sum(-1)
+    cstar = (1 - 0.5 * l1).detach()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, cstar, reduction="none")
+    wm = lambda x: (w * x).sum() / w.sum()  # noqa: E731
+    ref = wm(ce) if dflash else 0.1 * wm(ce) + 0.9 * wm(l1) + wm(bce)
+    ref_grads = torch.autograd.grad(ref, [logits] if dflash else [logits, conf])
+    for chunk in (16, 4):
+        DistillLoss.CHUNK = chunk
+        try:
+            t = draft_losses(logits, None if dflash else conf, tlogits, labels, valid, cfg)
+            grads = torch.autograd.grad(t.total, [logits] if dflash else [logits, conf])
+        finally:
+            DistillLoss.CHUNK = 16
+        assert t.total.item() == pytest.approx(ref.item(), rel=1e-5)
+        assert t.ce.item() == pytest.approx(wm(ce).item(), rel=1e-5) and t.tv.item() == pytest.approx(wm(l1).item(), rel=1e-5)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
 def test_teacher_logits_bf16_keeps_the_top_logits_exact():
