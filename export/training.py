@@ -35,7 +35,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -695,7 +695,8 @@ class Trainer:
 
     def __init__(self, drafter: Drafter, data: SequenceSource, cfg: TrainConfig, run_dir: str | Path, *,
                  device: str | torch.device = "cpu", save_every: int = 500, log_every: int = 10,
-                 keep_checkpoints: int = 2, micro_batch: int | None = None, progress: bool = True):
+                 keep_checkpoints: int = 2, micro_batch: int | None = None, progress: bool = True,
+                 on_checkpoint: Callable[[], None] | None = None):
         check_drafter_matches(drafter, cfg)
         self.cfg = cfg
         self.device = torch.device(device)
@@ -708,6 +709,7 @@ class Trainer:
         self.save_every, self.log_every, self.keep = save_every, log_every, keep_checkpoints
         self.micro_batch = micro_batch or cfg.batch
         self.progress = progress
+        self.on_checkpoint = on_checkpoint  # called after every checkpoint `train` writes
         self.step_idx = 0
         self.history: list[StepStats] = []
 
@@ -816,6 +818,8 @@ class Trainer:
                     window = []
                 if self.step_idx % self.save_every == 0:
                     self.save()
+                    if self.on_checkpoint is not None:
+                        self.on_checkpoint()
                 if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
                     break
         finally:

@@ -13,16 +13,19 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-out/drafter/data}
 RUN=${RUN:-out/drafter/run-dspark}
 RUN_DFLASH=${RUN_DFLASH:-out/drafter/run-dflash}
-STEPS=${STEPS:-340}                 # optimisation steps of both runs (the cosine schedule's length)
+STEPS=${STEPS:-1000}                # optimisation steps of both runs (the cosine schedule's length)
 TRAIN_MINUTES=${TRAIN_MINUTES:-64}  # a session's budget; `resume` continues a run later
 LAYERS="1 8 15 22 28"
-COMMON=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --steps "$STEPS" --warmup 25
+COMMON=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --steps "$STEPS" --warmup 50
         --lr 1e-3 --amp bf16 --threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m")
 
-# 1. responses: 250 GSM8K-train questions + 175 alpaca tasks + 150 self-written chat/code requests,
-#    at T = 0 and T = 1, by the target itself (bf16, batch 32, at most 256 new tokens)
-python scripts/train_drafter.py generate --data "$DATA" --limit 250 --self-prompts 150 --max-new-tokens 256 \
-    --batch 32 --threads 2
+# 1. responses by the target itself (bf16, batch 32, at most 256 new tokens), 150 self-written
+#    chat/code requests first: at T = 0 for 500 GSM8K-train questions + 175 alpaca tasks + the
+#    150, at T = 1 for the first 250 of the GSM8K questions + the same 325
+python scripts/train_drafter.py generate --data "$DATA" --limit 500 --self-prompts 150 --temperatures 0 \
+    --max-new-tokens 256 --batch 32 --threads 2
+python scripts/train_drafter.py generate --data "$DATA" --limit 250 --self-prompts 150 --temperatures 1 \
+    --max-new-tokens 256 --batch 32 --threads 2
 # 2. the target's features at the drafter's layers + its final hidden state (fp16 on disk, bf16 matmuls)
 python scripts/train_drafter.py cache --data "$DATA" --layer-ids $LAYERS --dtype bf16 --batch 8 --threads 2
 # 3. DSpark and the DFlash ablation side by side, one core each, same data, steps and seed

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 PIPELINE = """\
 The pipeline (each step resumable: run it again to continue where it stopped):
@@ -73,21 +74,29 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-def _keep_freed_memory() -> None:
-    """Serve every allocation from glibc's heap and never return freed memory to the kernel.
-    A training step allocates and frees several [N, γ, V] fp32 tensors of ~0.5 GB; by default
-    each is a fresh mmap (or heap growth trimmed again at free) whose pages fault in on first
-    touch. On this project's CPU that made a step about 4x slower: 20-25 s against 5.2-5.6 s
-    (the shipped config's step, 8 sequences x 48 anchors, on one thread beside a 2-thread job)."""
+def _heap_policy() -> Callable[[], None] | None:
+    """Serve every allocation from glibc's heap and keep freed memory there between steps;
+    returns the call that gives the heap's free pages back to the kernel (the trainer makes
+    it after each checkpoint), or None where the C library is not glibc.
+
+    A training step allocates and frees several [N, γ, V] tensors of ~0.25-0.5 GB; by
+    default each is a fresh mmap (or heap growth trimmed again at free) whose pages fault in
+    on first touch. On this project's CPU that made a step about 4x slower: 20-25 s against
+    5.2-5.6 s (the shipped config's step, 8 sequences x 48 anchors, on one thread beside a
+    2-thread job). Kept without limit, the heap fragments (the tensors' sizes change with
+    every batch): two runs side by side grew to 12 GB each in 420 steps and the machine ran
+    out of memory, hence the release at checkpoints."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "mallopt"):  # glibc; other C libraries keep their default
-        M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-        libc.mallopt(M_MMAP_MAX, 0)
-        libc.mallopt(M_TRIM_THRESHOLD, -1)  # as size_t: never trim
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "malloc_trim"):
+        return None
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, -1)  # as size_t: never trim at free
+    return lambda: libc.malloc_trim(0)  # madvise(DONTNEED) every free page of the heap
 
 
 def _target_config(path: str | None):
@@ -255,7 +264,8 @@ def _source(run_info: dict, target, cfg):
 
 
 def _trainer_kw(args, device: str) -> dict:
-    return dict(device=device, save_every=args.save_every, log_every=args.log_every, micro_batch=args.micro_batch)
+    return dict(device=device, save_every=args.save_every, log_every=args.log_every, micro_batch=args.micro_batch,
+                on_checkpoint=_heap_policy() if device == "cpu" else None)
 
 
 def cmd_train(args) -> int:
@@ -428,8 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     from dspark.runtime.errors import DSparkError
 
     t0 = time.time()
-    if args.fn in (cmd_train, cmd_resume):
-        _keep_freed_memory()
     try:
         return args.fn(args)
     except DSparkError as e:

@@ -297,6 +297,14 @@ def test_bf16_autocast_step(target, seqs, tmp_path):
     assert all(math.isfinite(s.loss) for s in stats) and trainer.drafter.fc.weight.dtype == torch.float32
 
 
+def test_on_checkpoint_runs_after_each_checkpoint(target, seqs, tmp_path):
+    seen = []
+    trainer = Trainer.start(target, ListSource(seqs), _cfg(batch=2, steps=5, anchors_per_seq=4), tmp_path / "run",
+                            progress=False, save_every=2, on_checkpoint=lambda: seen.append(trainer.step_idx))
+    trainer.train()
+    assert seen == [2, 4]  # not after the final save at step 5, which `train` writes when it stops
+
+
 def test_micro_batches_give_the_same_step(target, seqs, tmp_path):
     cfg = _cfg(batch=3, steps=2, anchors_per_seq=6)
     runs = [Trainer.start(target, ListSource(seqs), cfg, tmp_path / f"m{mb}", progress=False, micro_batch=mb)
