@@ -514,6 +514,7 @@ class DistillLoss(torch.autograd.Function):
 
     @staticmethod
     def _rows(logits, target_logits, labels, a, b, grad, ce, l1) -> None:
+        with_tv = bool(b.any())  # DFlash only logs ‖p_d − p_t‖₁: no gradient term to form
         for lo in range(0, logits.shape[0], DistillLoss.CHUNK):
             sl = slice(lo, lo + DistillLoss.CHUNK)
             logp = torch.log_softmax(logits[sl].float(), dim=-1)  # [c, V]
@@ -523,8 +524,9 @@ class DistillLoss(torch.autograd.Function):
             s.sign_()
             y = labels[sl, None]  # [c, 1]
             ce[sl] = -logp.gather(-1, y)[:, 0]
-            g = s.sub_((p * s).sum(-1, keepdim=True)).mul_(p).mul_(b[sl, None])  # b·p ⊙ (s − ⟨p, s⟩)
-            g.add_(p.mul_(a[sl, None]))  # + a·p
+            g = p * a[sl, None]  # a·p
+            if with_tv:
+                g.add_(s.sub_((p * s).sum(-1, keepdim=True)).mul_(p).mul_(b[sl, None]))  # + b·p ⊙ (s − ⟨p, s⟩)
             g.scatter_add_(-1, y, -a[sl, None])  # − a·onehot(x*)
             grad[sl] = g
 
