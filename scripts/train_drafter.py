@@ -83,9 +83,10 @@ def _heap_policy() -> Callable[[], None] | None:
     default each is a fresh mmap (or heap growth trimmed again at free) whose pages fault in
     on first touch. On this project's CPU that made a step about 4x slower: 20-25 s against
     5.2-5.6 s (the shipped config's step, 8 sequences x 48 anchors, on one thread beside a
-    2-thread job). Kept without limit, the heap fragments (the tensors' sizes change with
-    every batch): two runs side by side grew to 12 GB each in 420 steps and the machine ran
-    out of memory, hence the release at checkpoints."""
+    2-thread job). Kept without limit, the heap grows (fragmentation, most likely: the
+    tensors' sizes change with every batch; not established): two runs side by side reached
+    11-12 GB resident each in 420 steps and the machine thrashed, hence the release
+    at checkpoints, which did not stop the growth (README, the shipped run)."""
     import ctypes
     import ctypes.util
 
