@@ -49,6 +49,7 @@ from .layers import rope_cos_sin
 from .target import TargetModel
 
 MAX_ANCHORS = 512  # DeepSpec's cap per sequence (dspark.md §6)
+ANCHOR_MULTIPLE, LENGTH_MULTIPLE = 16, 128  # a batch's A and T are padded to these (few tensor sizes)
 TRAINER_STATE = "trainer_state.pt"
 CHECKPOINTS = "checkpoints"
 
@@ -311,10 +312,14 @@ class TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def collate(items: list[tuple[TrainSequence, Blocks]], mask_token_id: int) -> TrainBatch:
+def collate(items: list[tuple[TrainSequence, Blocks]], mask_token_id: int, anchor_multiple: int = 1,
+            length_multiple: int = 1) -> TrainBatch:
+    """Pads A and T up to multiples of `anchor_multiple` and `length_multiple`: the step's
+    big tensors ([B·A, γ, V] and [B, T, ·]) then take a few sizes only, and the allocator
+    reuses their blocks instead of fragmenting the heap with new sizes every step."""
     B = len(items)
-    T = max(s.tokens.shape[0] for s, _ in items)
-    A = max(1, max(b.anchors.shape[0] for _, b in items))
+    T = _round_up(max(s.tokens.shape[0] for s, _ in items), length_multiple)
+    A = _round_up(max(1, max(b.anchors.shape[0] for _, b in items)), anchor_multiple)
     gamma = items[0][1].inputs.shape[1]
     s0 = items[0][0]
     feats = s0.features.new_zeros(B, T, s0.features.shape[1])
@@ -333,6 +338,10 @@ def collate(items: list[tuple[TrainSequence, Blocks]], mask_token_id: int) -> Tr
         inputs[i, :a], positions[i, :a], prev[i, :a] = b.inputs, b.positions, b.prev
         labels[i, :a], valid[i, :a] = b.labels, b.valid
     return TrainBatch(feats, hid, anchors, ok, inputs, positions, prev, labels, valid)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def truncate(seq: TrainSequence, max_len: int) -> TrainSequence:
@@ -382,7 +391,7 @@ def make_batch(data: SequenceSource, plan: BatchPlan, step: int, cfg: TrainConfi
         anchors = sample_anchors(seq.response_mask, cfg.anchors_per_seq, plan.anchor_generator(step, slot))
         blocks = build_blocks(seq.tokens, seq.response_mask, anchors, cfg.block_size, cfg.mask_token_id)
         items.append((seq, blocks))
-    return collate(items, cfg.mask_token_id)
+    return collate(items, cfg.mask_token_id, ANCHOR_MULTIPLE, LENGTH_MULTIPLE)
 
 
 # --- Forward ----------------------------------------------------------------------------------------
@@ -592,16 +601,15 @@ def compute_loss(drafter: Drafter, batch: TrainBatch, cfg: TrainConfig,
     LM head but for the largest logits of each row (`teacher_logits`); the softmaxes and the
     losses stay in fp32."""
     h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions)  # [B, A, γ, d]
-    sel = batch.anchor_ok  # [B, A]
-    h = h[sel].float()  # [N, γ, d]
+    h = h.flatten(0, 1).float()  # [N = B·A, γ, d]; padding anchors' slots are invalid (weight 0)
     B, T = batch.final_hidden.shape[:2]
     bidx = torch.arange(B, device=h.device)[:, None, None].expand_as(batch.positions)
-    t_hidden = batch.final_hidden[bidx, batch.positions.clamp(max=T - 1)][sel]  # [N, γ, d] target state at p+k
+    t_hidden = batch.final_hidden[bidx, batch.positions.clamp(max=T - 1)].flatten(0, 1)  # [N, γ, d] state at p+k
     with torch.autocast(h.device.type, enabled=False), torch.no_grad():
         target_logits = teacher_logits(drafter.lm_head.weight, t_hidden, bf16=cfg.amp == "bf16")  # [N, γ, V]
-    heads = teacher_forced_heads(drafter, h.to(drafter.lm_head.weight.dtype), batch.prev[sel])
-    return draft_losses(heads.logits, heads.confidence_logits, target_logits, batch.labels[sel],
-                        batch.valid[sel], cfg, weight_total)
+    heads = teacher_forced_heads(drafter, h.to(drafter.lm_head.weight.dtype), batch.prev.flatten(0, 1))
+    return draft_losses(heads.logits, heads.confidence_logits, target_logits, batch.labels.flatten(0, 1),
+                        batch.valid.flatten(0, 1), cfg, weight_total)
 
 
 # --- Optimisation -----------------------------------------------------------------------------------

@@ -248,6 +248,32 @@ def test_dflash_is_ce_only(target):
     assert t.tv.item() > 0
 
 
+def test_padding_anchors_and_length_changes_nothing(target):
+    """Rounding A and T up (the allocator-friendly shapes of `make_batch`) adds only
+    zero-weight rows: the loss and every gradient are those of the unpadded batch."""
+    cfg = _cfg()
+    d = build_drafter(target, cfg)
+    s1, s2 = _sequence(target, 21, 6, seed=0), _sequence(target, 15, 5, seed=1)
+    items = [(s, build_blocks(s.tokens, s.response_mask, anchor_candidates(s.response_mask)[:n], GAMMA,
+                              cfg.mask_token_id)) for s, n in ((s1, 9), (s2, 4))]
+    results = []
+    for multiples in ((1, 1), (8, 32)):
+        batch = collate(items, cfg.mask_token_id, *multiples)
+        d.zero_grad(set_to_none=True)
+        t = compute_loss(d, batch, cfg)
+        t.total.backward()
+        grads = {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+        results.append((batch.anchors.shape, batch.features.shape[1], t, grads))
+    (a0, t0, plain, g0), (a1, t1, padded, g1) = results
+    assert (a0, t0, a1, t1) == ((2, 9), 21, (2, 16), 32)
+    for name in ("total", "ce", "tv", "conf"):
+        torch.testing.assert_close(getattr(padded, name), getattr(plain, name), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(padded.accept_sum, plain.accept_sum)
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-6, rtol=1e-4)
+
+
 # --- optimisation and checkpoints ------------------------------------------------------------------
 
 
