@@ -40,10 +40,10 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from dspark.runtime.config import MARKOV_HEAD_TYPES, TargetConfig
+from dspark.runtime.config import MARKOV_HEAD_TYPES, DrafterConfig, TargetConfig
 from dspark.runtime.errors import CheckpointError, ConfigError
 
-from .checkpoint import SHARED, load_drafter, save_drafter
+from .checkpoint import SHARED, load_drafter, read_config, save_drafter
 from .drafter import SMOLLM2_MASK_TOKEN_ID, Drafter, init_drafter
 from .layers import rope_cos_sin
 from .target import TargetModel
@@ -179,6 +179,17 @@ def build_drafter(target: TargetModel, cfg: TrainConfig) -> Drafter:
                         target_layer_ids=cfg.target_layer_ids, markov_rank=cfg.markov_rank,
                         markov_head_type=cfg.markov_head_type, confidence_head=cfg.confidence_head,
                         mask_token_id=cfg.mask_token_id, seed=cfg.seed).float()
+
+
+def architecture_of(checkpoint: str | Path) -> dict:
+    """The `TrainConfig` architecture fields of a DeepSpec checkpoint (a warm start's defaults)."""
+    c = DrafterConfig.from_hf(read_config(Path(checkpoint)))
+    arch = {"block_size": c.block_size, "num_layers": c.num_layers, "target_layer_ids": c.target_layer_ids,
+            "markov_rank": c.markov_rank, "mask_token_id": c.mask_token_id,
+            "dflash": c.markov_rank == 0 and not c.enable_confidence_head}
+    if c.markov_head_type:
+        arch["markov_head_type"] = c.markov_head_type
+    return arch
 
 
 def check_drafter_matches(drafter: Drafter, cfg: TrainConfig) -> None:

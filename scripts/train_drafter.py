@@ -168,9 +168,11 @@ def _overrides(args) -> dict:
 
 
 def _new_config(args, target_cfg, device: str):
-    from dspark.export.training import TrainConfig, max_markov_rank
+    from dspark.export.training import TrainConfig, architecture_of, max_markov_rank
 
     o = _overrides(args)
+    if o.get("init_from"):  # a warm start keeps the checkpoint's architecture unless a flag says otherwise
+        o = {**architecture_of(o["init_from"]), **o}
     o.setdefault("amp", "bf16" if device.startswith("cuda") else "none")
     if o.get("dflash"):
         o["markov_rank"] = 0

@@ -17,7 +17,7 @@ from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache
                                       OnTheFlySource, Prompt, cache_features, first_question, generate_responses,
                                       load_generator, load_train_prompts, read_prompts, read_responses,
                                       synthesize_prompts, target_states)
-from dspark.export.training import (BatchPlan, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
+from dspark.export.training import (BatchPlan, architecture_of, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
                                     build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
                                     drafter_param_count, lr_at, make_batch, max_markov_rank, sample_anchors,
                                     slot_weights, teacher_forced_heads, teacher_logits)
@@ -314,6 +314,25 @@ def test_warm_start_from_a_checkpoint(target, seqs, tmp_path):
     with pytest.raises(ConfigError, match="num_layers"):
         Trainer.start(target, ListSource(seqs), _cfg(num_layers=1, init_from=str(tmp_path / "shipped")),
                       tmp_path / "c", progress=False)
+
+
+def test_a_warm_start_defaults_to_the_checkpoints_architecture(target, tmp_path):
+    """`train_drafter.py train --init-from CKPT` without architecture flags takes CKPT's
+    (rank, layers, layer ids, ...) instead of the fresh-run defaults; a flag still overrides."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_drafter", Path(__file__).parents[1] / "scripts" / "train_drafter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for kw in (dict(markov_rank=24, markov_head_type="gated"), dict(markov_rank=0, dflash=True)):
+        cfg = _cfg(num_layers=1, **kw)
+        save_drafter(build_drafter(target, cfg), tmp_path / "ckpt", dtype=torch.bfloat16)
+        arch = architecture_of(tmp_path / "ckpt")
+        assert {k: getattr(cfg, k) for k in arch} == arch
+        args = script.build_parser().parse_args(["train", "--init-from", str(tmp_path / "ckpt"), "--lr", "1e-4"])
+        got = script._new_config(args, target.cfg, "cpu")
+        assert {k: getattr(got, k) for k in arch} == arch and got.lr == 1e-4
+    args = script.build_parser().parse_args(["train", "--init-from", str(tmp_path / "ckpt"), "--layers", "2"])
+    assert script._new_config(args, target.cfg, "cpu").num_layers == 2  # refused later by check_drafter_matches
 
 
 def test_bf16_autocast_step(target, seqs, tmp_path):
