@@ -3,9 +3,13 @@
 # ablation from scratch on a 2-core CPU, then Table 1 / Figure 2. Every step is resumable:
 # rerun the script and each step continues where it stopped.
 #
-#   bash scripts/reproduce_drafter.sh            # everything (about 2.5 hours on a 2-core VM;
-#                                                # the shipped run stopped at step 866 of 1000)
+#   bash scripts/reproduce_drafter.sh            # everything: about 4.5 hours on a 2-core VM
 #   TRAIN_MINUTES=30 bash scripts/reproduce_drafter.sh
+#
+# Training has two phases, as the shipped drafter had (two sessions): phase 1 from a random
+# init (a 1000-step schedule that the first session's budget stopped at step 866 for DSpark
+# and 908 for DFlash: --max-steps reproduces that), phase 2 a warm start from phase 1's fp32
+# weights with a fresh schedule (1700 steps, lr 5e-4, seed 1).
 #
 # Wall time of the shipped run and every figure: README.md, "The default drafter".
 set -euo pipefail
@@ -14,11 +18,14 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-out/drafter/data}
 RUN=${RUN:-out/drafter/run-dspark}
 RUN_DFLASH=${RUN_DFLASH:-out/drafter/run-dflash}
-STEPS=${STEPS:-1000}                # optimisation steps of both runs (the cosine schedule's length)
-TRAIN_MINUTES=${TRAIN_MINUTES:-64}  # a session's budget; `resume` continues a run later
+INIT=out/drafter/init-dspark INIT_DFLASH=out/drafter/init-dflash  # phase 1's fp32 weights
+RUN2=out/drafter/run2-dspark RUN2_DFLASH=out/drafter/run2-dflash  # phase 2
+TRAIN_MINUTES=${TRAIN_MINUTES:-100}  # a session's budget; rerun the script to continue a run later
 LAYERS="1 8 15 22 28"
-COMMON=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --steps "$STEPS" --warmup 50
-        --lr 1e-3 --amp bf16 --threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m")
+ARCH=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --amp bf16)
+PHASE1=(--steps 1000 --warmup 50 --lr 1e-3 --seed 0)
+PHASE2=(--steps 1700 --warmup 30 --lr 5e-4 --seed 1)
+SESSION=(--threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m")
 
 # 1. responses by the target itself (bf16, batch 32, at most 256 new tokens), 150 self-written
 #    chat/code requests first: at T = 0 for 500 GSM8K-train questions + 175 alpaca tasks + the
@@ -29,21 +36,41 @@ python scripts/train_drafter.py generate --data "$DATA" --limit 250 --self-promp
     --max-new-tokens 256 --batch 32 --threads 2
 # 2. the target's features at the drafter's layers + its final hidden state (fp16 on disk, bf16 matmuls)
 python scripts/train_drafter.py cache --data "$DATA" --layer-ids $LAYERS --dtype bf16 --batch 8 --threads 2
-# 3. DSpark and the DFlash ablation side by side, one core each, same data, steps and seed
-train() {  # run-dir, extra flags...
-    local run=$1; shift
-    if [ -e "$run/checkpoints" ]; then
-        python scripts/train_drafter.py resume --run "$run" --threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m"
+# 3. DSpark and the DFlash ablation side by side, one core each, same data, schedule and seed
+steps_done() {  # run-dir -> the latest checkpoint's step (0 if none)
+    local last; last=$(ls "$1/checkpoints" 2>/dev/null | tail -1)
+    last=${last#step-}; echo $((10#${last:-0}))
+}
+train() {  # run-dir, stop step, train flags...: train (or resume) the run until its stop step
+    local run=$1 stop=$2; shift 2
+    local done; done=$(steps_done "$run")
+    if [ "$done" -ge "$stop" ]; then return 0; fi
+    if [ "$done" -gt 0 ]; then
+        python scripts/train_drafter.py resume --run "$run" "${SESSION[@]}" --max-steps $((stop - done))
     else
-        python scripts/train_drafter.py train --run "$run" "${COMMON[@]}" "$@"
+        python scripts/train_drafter.py train --run "$run" "${ARCH[@]}" "$@" "${SESSION[@]}" --max-steps "$stop"
     fi
 }
-train "$RUN" > "$RUN.log" 2>&1 &
-train "$RUN_DFLASH" --dflash > "$RUN_DFLASH.log" 2>&1 &
+reached() {  # run, stop step, run, stop step: stop here unless both runs reached their stop steps
+    if [ "$(steps_done "$1")" -lt "$2" ] || [ "$(steps_done "$3")" -lt "$4" ]; then
+        echo "training stopped before steps $2/$4 (the session budget, or an error: see $1.log and $3.log);" \
+             "rerun this script to continue" >&2
+        exit 3
+    fi
+}
+train "$RUN" 866 "${PHASE1[@]}" >> "$RUN.log" 2>&1 &  # phase 1
+train "$RUN_DFLASH" 908 "${PHASE1[@]}" --dflash >> "$RUN_DFLASH.log" 2>&1 &
 wait
+reached "$RUN" 866 "$RUN_DFLASH" 908
+[ -e "$INIT" ] || python scripts/train_drafter.py export --run "$RUN" --out "$INIT" --dtype fp32
+[ -e "$INIT_DFLASH" ] || python scripts/train_drafter.py export --run "$RUN_DFLASH" --out "$INIT_DFLASH" --dtype fp32
+train "$RUN2" 1700 "${PHASE2[@]}" --init-from "$INIT" >> "$RUN2.log" 2>&1 &  # phase 2
+train "$RUN2_DFLASH" 1700 "${PHASE2[@]}" --dflash --init-from "$INIT_DFLASH" >> "$RUN2_DFLASH.log" 2>&1 &
+wait
+reached "$RUN2" 1700 "$RUN2_DFLASH" 1700
 # 4. the shippable bf16 checkpoints (no embeddings: restored from the target at load)
-python scripts/train_drafter.py export --run "$RUN" --out export/drafters/smollm2-135m-instruct
-python scripts/train_drafter.py export --run "$RUN_DFLASH" --out out/drafter/smollm2-dflash
+python scripts/train_drafter.py export --run "$RUN2" --out export/drafters/smollm2-135m-instruct
+python scripts/train_drafter.py export --run "$RUN2_DFLASH" --out out/drafter/smollm2-dflash
 # 5. bundles (the DFlash one reuses the default bundle's target graphs) and Table 1 / Figure 2
 dspark export --out engines/smollm2
 dspark export --drafter out/drafter/smollm2-dflash --out engines/smollm2-dflash --reuse-target engines/smollm2

@@ -42,11 +42,12 @@ The pipeline (each step resumable: run it again to continue where it stopped):
 
   budget       parameter count and the largest Markov rank within the 30 MB (bf16) budget.
 
-Defaults for the shipped drafter: gamma=7, 2 layers, target_layer_ids 1 8 15 22 28 of the
-30-layer target, vanilla Markov head with the largest rank (multiple of 8) that keeps the
-drafter <= 30 MB in bf16 without embeddings (56 for 2 layers, 96 for 1), mask token
-<empty_output> (id 16), 64 anchors a sequence, 8 sequences a step, AdamW lr 6e-4, 200
-warmup steps, cosine to 10%, 6000 steps, loss 0.1*CE + 0.9*TV + 1.0*BCE with w_k=exp(-k/4).
+Defaults (the shipped drafter's two-phase recipe is scripts/reproduce_drafter.sh): gamma=7,
+2 layers, target_layer_ids 1 8 15 22 28 of the 30-layer target, vanilla Markov head with the
+largest rank (multiple of 8) that keeps the drafter <= 30 MB in bf16 without embeddings (56
+for 2 layers, 96 for 1; a warm start keeps its checkpoint's), mask token <empty_output> (id
+16), 64 anchors a sequence, 8 sequences a step, AdamW lr 6e-4, 200 warmup steps, cosine to
+10%, 6000 steps, loss 0.1*CE + 0.9*TV + 1.0*BCE with w_k=exp(-k/4).
 """
 
 DEFAULT_DATA = "out/drafter/data"
