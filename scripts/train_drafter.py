@@ -84,10 +84,10 @@ def _heap_policy() -> Callable[[], None] | None:
     default each is a fresh mmap (or heap growth trimmed again at free) whose pages fault in
     on first touch. On this project's CPU that made a step about 4x slower: 20-25 s against
     5.2-5.6 s (the shipped config's step, 8 sequences x 48 anchors, on one thread beside a
-    2-thread job). Kept without limit, the heap grows (fragmentation, most likely: the
-    tensors' sizes change with every batch; not established): two runs side by side reached
-    11-12 GB resident each in 420 steps and the machine thrashed, hence the release
-    at checkpoints, which did not stop the growth (README, the shipped run)."""
+    2-thread job). Such a heap fragments when those tensors change size every batch (two
+    runs reached 11-12 GB resident each in 420 steps); `make_batch` pads a batch to a few
+    sizes, which bounds it (2.9-4.4 GB over 1,700 steps, README "The shipped run"), and the
+    release at checkpoints returns what a larger batch left free."""
     import ctypes
     import ctypes.util
 
