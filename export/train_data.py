@@ -208,16 +208,18 @@ def first_question(text: str) -> str:
 
 
 def synthesize_prompts(model, tokenizer, seeds: list[Prompt], n: int, *, batch: int = 8, max_new_tokens: int = 96,
-                       seed: int = 0, min_chars: int = 15, progress: bool = True) -> list[Prompt]:
+                       seed: int = 0, min_chars: int = 15, exclude: Iterable[str] = (),
+                       progress: bool = True) -> list[Prompt]:
     """Up to `n` distinct user requests written by the target itself (T = 1), each asked for
-    with a random alpaca seed task and alternately a chat or a code kind."""
+    with a random alpaca seed task and alternately a chat or a code kind; none equal to a
+    seed or to a text in `exclude`."""
     from tqdm import tqdm
 
     if not seeds:
         raise DataError("synthesize_prompts: no seed tasks")
     rng = random.Random(seed)
     out: list[Prompt] = []
-    seen = {s.text for s in seeds}
+    seen = {s.text for s in seeds} | set(exclude)
     bar = tqdm(total=n, desc="self-prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
     attempts = 0
     while len(out) < n and attempts < 4 * n + batch:

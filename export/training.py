@@ -394,15 +394,21 @@ class BatchPlan:
         return _generator(self.seed, step, slot, 0xA7)
 
 
-def make_batch(data: SequenceSource, plan: BatchPlan, step: int, cfg: TrainConfig) -> TrainBatch:
+def _batch_of(data: SequenceSource, picks: list[tuple[int, torch.Generator]], cfg: TrainConfig) -> TrainBatch:
+    """The batch of sequences `data[i]`, each with anchors drawn by its generator."""
     items = []
-    for slot, idx in enumerate(plan.indices(step)):
+    for idx, gen in picks:
         seq = truncate(data[idx], cfg.max_seq_len)  # features may stay on the device (on-the-fly source)
         seq = TrainSequence(seq.tokens.cpu(), seq.response_mask.cpu(), seq.features, seq.final_hidden)
-        anchors = sample_anchors(seq.response_mask, cfg.anchors_per_seq, plan.anchor_generator(step, slot))
+        anchors = sample_anchors(seq.response_mask, cfg.anchors_per_seq, gen)
         blocks = build_blocks(seq.tokens, seq.response_mask, anchors, cfg.block_size, cfg.mask_token_id)
         items.append((seq, blocks))
     return collate(items, cfg.mask_token_id, ANCHOR_MULTIPLE, LENGTH_MULTIPLE)
+
+
+def make_batch(data: SequenceSource, plan: BatchPlan, step: int, cfg: TrainConfig) -> TrainBatch:
+    return _batch_of(data, [(idx, plan.anchor_generator(step, slot)) for slot, idx in enumerate(plan.indices(step))],
+                     cfg)
 
 
 # --- Forward ----------------------------------------------------------------------------------------
@@ -654,6 +660,69 @@ def make_optimizer(drafter: Drafter, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
+def tau_from_acceptance(acceptance: list[float]) -> float:
+    """1 + Σ_k Π_{j≤k} acc_j: the accepted length if every slot were verified (teacher-forced, T = 1)."""
+    tau, run = 1.0, 1.0
+    for a in acceptance:
+        if math.isnan(a):
+            break
+        run *= a
+        tau += run
+    return tau
+
+
+@dataclass
+class EvalResult:
+    """Teacher-forced metrics of a drafter on a `SequenceSource` (`evaluate`)."""
+
+    sequences: int
+    ce: float  # weighted mean over every valid slot, as in the loss
+    tv: float
+    conf: float  # BCE of the confidence head (0 without one)
+    acceptance: list[float]  # [γ] mean c* per slot
+
+    @property
+    def tau_estimate(self) -> float:
+        return tau_from_acceptance(self.acceptance)
+
+
+@torch.no_grad()
+def evaluate(drafter: Drafter, data: SequenceSource, cfg: TrainConfig, seed: int = 0, batch: int | None = None,
+             indices: list[int] | None = None, device: str | torch.device = "cpu",
+             progress: bool = True) -> EvalResult:
+    """Loss terms and per-slot acceptance c* of `drafter` over the sequences `indices` of
+    `data` (default all), with `cfg.anchors_per_seq` anchors per sequence drawn from (seed,
+    sequence index): two drafters evaluated with the same seed see the very same blocks."""
+    from tqdm import tqdm
+
+    check_drafter_matches(drafter, cfg)
+    device = torch.device(device)
+    was_training = drafter.training
+    drafter.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # Σw, Σw·ce, Σw·tv, Σw·bce
+    acc = torch.zeros(2, cfg.block_size, dtype=torch.float64)  # Σ c*, count per slot
+    batch = batch or cfg.batch
+    indices = list(range(len(data))) if indices is None else indices
+    bar = tqdm(total=len(indices), desc="evaluate", unit="seq", disable=not progress, dynamic_ncols=True)
+    try:
+        for lo in range(0, len(indices), batch):
+            idx = indices[lo:lo + batch]
+            b = _batch_of(data, [(i, _generator(seed, i, 0xE7)) for i in idx], cfg).to(device)
+            w = float((slot_weights(cfg.block_size, cfg.decay) * b.valid.float()).sum())
+            if w > 0:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
+                    t = compute_loss(drafter, b, cfg, weight_total=1.0)  # Σ w·term (not yet divided)
+                sums += torch.tensor([w, float(t.ce), float(t.tv), float(t.conf)], dtype=torch.float64)
+                acc += torch.stack([t.accept_sum, t.slot_count]).double().cpu()
+            bar.update(len(idx))
+    finally:
+        bar.close()
+        drafter.train(was_training)
+    mean = (sums[1:] / sums[0].clamp_min(1e-12)).tolist()
+    acceptance = [float(a / n) if n > 0 else math.nan for a, n in zip(acc[0].tolist(), acc[1].tolist())]
+    return EvalResult(len(indices), *mean, acceptance)
+
+
 @dataclass
 class StepStats:
     step: int  # the step this loss was computed at (before its update)
@@ -668,14 +737,7 @@ class StepStats:
 
     @property
     def tau_estimate(self) -> float:
-        """1 + Σ_k Π_{j≤k} acc_j: accepted length if every slot were verified (rough; teacher-forced)."""
-        tau, run = 1.0, 1.0
-        for a in self.acceptance:
-            if math.isnan(a):
-                break
-            run *= a
-            tau += run
-        return tau
+        return tau_from_acceptance(self.acceptance)
 
 
 def _nanmean(xs: list[float]) -> float:

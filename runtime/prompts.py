@@ -87,18 +87,20 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def load_train_prompts(paths: Sequence[str | Path] | None = None, limit: int | None = None) -> list[Prompt]:
+def load_train_prompts(paths: Sequence[str | Path] | None = None, limit: int | None = None,
+                       skip: int = 0) -> list[Prompt]:
     """Prompts from `paths` (default: the two files of ../shared/data/train), de-duplicated,
-    each file cut to `limit` prompts. Every path is checked before any is read."""
+    each file cut to its prompts skip..skip+limit-1 (so `skip` >= another call's `limit`
+    gives prompts disjoint from that call's). Every path is checked before any is read."""
     paths = [Path(p) for p in (paths or [DEFAULT_TRAIN_DIR / f for f in DEFAULT_TRAIN_FILES])]
     for p in paths:
         refuse_bench(p)
     seen, out = set(), []
     for p in paths:
-        for pr in read_prompts(p)[:limit]:
+        for pr in read_prompts(p)[skip:None if limit is None else skip + limit]:
             if pr.text not in seen:
                 seen.add(pr.text)
                 out.append(pr)
     if not out:
-        raise DataError(f"no training prompts in {[str(p) for p in paths]}")
+        raise DataError(f"no training prompts in {[str(p) for p in paths]}" + (f" after skipping {skip}" if skip else ""))
     return out

@@ -40,6 +40,11 @@ The pipeline (each step resumable: run it again to continue where it stopped):
   shipped drafter with a warm start on regenerated data:
        python scripts/train_drafter.py train --init-from export/drafters/smollm2-135m-instruct ...
 
+  evaluate     teacher-forced c* and loss terms of checkpoints on any feature cache (a held-out
+     set: `generate --data out/drafter/heldout --skip 7373 --disjoint-from out/drafter/data`, then
+     `cache --data out/drafter/heldout`)
+       python scripts/train_drafter.py evaluate --drafter RUN_OR_CKPT --cache DIR
+
   budget       parameter count and the largest Markov rank within the 30 MB (bf16) budget.
 
 Defaults (the shipped drafter's two-phase recipe is scripts/reproduce_drafter.sh): gamma=7,
@@ -203,6 +208,17 @@ def cmd_budget(args) -> int:
     return 0
 
 
+def _prompt_texts(data: Path) -> set[str]:
+    """Every prompt a data directory holds: its responses' and its self-written ones."""
+    from dspark.export.train_data import read_prompts, read_responses
+
+    if not (data / "responses").is_dir():
+        raise SystemExit(f"--disjoint-from {data}: not a data directory (no responses/)")
+    texts = {r["prompt"] for r in read_responses(data / "responses")}
+    self_path = data / "prompts-self.jsonl"
+    return texts | ({p.text for p in read_prompts(self_path)} if self_path.exists() else set())
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -211,7 +227,9 @@ def cmd_generate(args) -> int:
 
     _threads(args.threads)
     data = Path(args.data)
-    prompts = load_train_prompts(args.prompts, limit=args.limit)  # refuses bench paths, checks files: before compute
+    prompts = load_train_prompts(args.prompts, limit=args.limit, skip=args.skip)  # refuses bench paths: before compute
+    taken = _prompt_texts(Path(args.disjoint_from)) if args.disjoint_from else set()
+    prompts = [p for p in prompts if p.text not in taken]
     print(f"{len(prompts)} prompts from the train files", file=sys.stderr)
     device = _device(args.device)
     model, tok = load_generator(args.target, device=device, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
@@ -219,9 +237,9 @@ def cmd_generate(args) -> int:
         path = data / "prompts-self.jsonl"
         have = read_prompts(path) if path.exists() else []
         if len(have) < args.self_prompts:
-            seeds = [p for p in prompts if p.source == "alpaca-seed-tasks"] or prompts
+            seeds = [p for p in load_train_prompts(args.prompts) if p.source == "alpaca-seed-tasks"] or prompts
             new = synthesize_prompts(model, tok, seeds, args.self_prompts - len(have), batch=args.batch,
-                                     seed=args.seed + len(have))
+                                     seed=args.seed + len(have), exclude=taken)
             write_prompts(have + new, path)
             have = have + new
         prompts = prompts + have
@@ -349,6 +367,57 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _drafter_dir(path: Path) -> Path:
+    """A DeepSpec checkpoint directory, or a run directory (-> its newest checkpoint's drafter)."""
+    from dspark.export.training import latest_checkpoint
+
+    if (path / "config.json").exists():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise SystemExit(f"--drafter {path}: neither a DeepSpec checkpoint (config.json) nor a run with a checkpoint")
+    return ckpt / "drafter"
+
+
+def cmd_evaluate(args) -> int:
+    import random
+
+    import torch
+
+    from dspark.export import load_drafter, load_target
+    from dspark.export.train_data import FeatureCache
+    from dspark.export.training import TrainConfig, architecture_of, evaluate
+
+    _threads(args.threads)
+    dirs = [_drafter_dir(Path(d)) for d in args.drafter]  # every path checked before the target loads
+    labels = args.label or [str(d) for d in args.drafter]
+    if len(labels) != len(dirs):
+        raise SystemExit(f"{len(labels)} --label for {len(dirs)} --drafter")
+    target = load_target(args.target).model
+    device = _device(args.device)
+    rows = []
+    for label, d in zip(labels, dirs):
+        cfg = TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp)
+        data = FeatureCache(args.cache, cfg.target_layer_ids)
+        n = len(data) if args.sequences is None else min(args.sequences, len(data))
+        indices = sorted(random.Random(args.seed).sample(range(len(data)), n))
+        drafter = load_drafter(d, dtype=torch.float32, embeddings=(target.embed_tokens.weight, target.lm_head.weight))
+        r = evaluate(drafter.to(device), data, cfg, seed=args.seed, indices=indices, device=device)
+        rows.append({"label": label, "drafter": str(d), "cache": args.cache, "sequences": r.sequences,
+                     "anchors_per_seq": args.anchors, "seed": args.seed, "ce": r.ce, "tv": r.tv, "bce": r.conf,
+                     "acceptance": r.acceptance, "tau_estimate": r.tau_estimate})
+    width = max(len(r["label"]) for r in rows)
+    print(f"{'drafter':<{width}}  seqs     CE     TV    BCE  c* per slot (teacher-forced)           τ≈")
+    for r in rows:
+        print(f"{r['label']:<{width}}  {r['sequences']:4d}  {r['ce']:.3f}  {r['tv']:.3f}  {r['bce']:.3f}  "
+              + " ".join(f"{a:.2f}" for a in r["acceptance"]) + f"   {r['tau_estimate']:.2f}")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train_drafter.py", description=__doc__.splitlines()[0], epilog=PIPELINE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "../shared/data/train/{gsm8k-train,alpaca-seed-tasks}.jsonl). Paths under a `bench` "
                    "directory are refused")
     q.add_argument("--limit", type=int, default=None, help="at most this many prompts from each file")
+    q.add_argument("--skip", type=int, default=0, help="skip each file's first N prompts (a held-out set: "
+                   "--skip at least the training data's --limit)")
+    q.add_argument("--disjoint-from", default=None, metavar="DATA", help="leave out every prompt of this other "
+                   "data directory, and write self-prompts none of it holds (a held-out set)")
     q.add_argument("--self-prompts", type=int, default=2000, help="chat/code questions the target writes itself, "
                    "seeded by alpaca tasks (default 2000; 0 = none)")
     q.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
@@ -429,6 +502,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     q.add_argument("--with-embeddings", action="store_true", help="also store the target's embedding and LM head")
     q.set_defaults(fn=cmd_export)
+
+    q = sub.add_parser("evaluate", help="teacher-forced loss terms and per-slot c* of drafters on a feature cache",
+                       description="Evaluate drafters (DeepSpec checkpoints or run directories) on the sequences of "
+                       "a feature cache, without training: CE, TV, the confidence head's BCE and the per-slot "
+                       "acceptance c* = 1 - TV/2, as the training log reports them but on data of your choice, e.g. a "
+                       "held-out set written by `generate --skip N --disjoint-from DATA` and `cache`. Every drafter "
+                       "sees the same sequences and anchors (--seed).")
+    common(q, data=False)
+    q.add_argument("--drafter", nargs="+", required=True, help="DeepSpec checkpoint(s) or run director(ies)")
+    q.add_argument("--label", nargs="+", default=None, help="a name per --drafter for the table")
+    q.add_argument("--cache", required=True, help="feature cache directory (from `cache`)")
+    q.add_argument("--sequences", type=int, default=None, help="a seeded random sample of this many sequences "
+                   "(default: all)")
+    q.add_argument("--anchors", type=int, default=48, help="anchors per sequence (default 48)")
+    q.add_argument("--seed", type=int, default=0, help="sample and anchor seed (default 0)")
+    q.add_argument("--amp", choices=["bf16", "none"], default="bf16", help="autocast as in training (default bf16)")
+    q.add_argument("--json", default=None, help="append one JSON line per drafter to this file")
+    q.set_defaults(fn=cmd_evaluate)
 
     q = sub.add_parser("budget", help="drafter sizes and the largest Markov rank within the budget")
     q.add_argument("--target", default=None)

@@ -19,7 +19,7 @@ from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache
                                       synthesize_prompts, target_states)
 from dspark.export.training import (BatchPlan, architecture_of, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
                                     build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
-                                    drafter_param_count, lr_at, make_batch, max_markov_rank, sample_anchors,
+                                    drafter_param_count, evaluate, lr_at, make_batch, max_markov_rank, sample_anchors,
                                     slot_weights, teacher_forced_heads, teacher_logits)
 from dspark.runtime.errors import ConfigError
 
@@ -316,13 +316,42 @@ def test_warm_start_from_a_checkpoint(target, seqs, tmp_path):
                       tmp_path / "c", progress=False)
 
 
-def test_a_warm_start_defaults_to_the_checkpoints_architecture(target, tmp_path):
-    """`train_drafter.py train --init-from CKPT` without architecture flags takes CKPT's
-    (rank, layers, layer ids, ...) instead of the fresh-run defaults; a flag still overrides."""
+def _script():
     import importlib.util
     spec = importlib.util.spec_from_file_location("train_drafter", Path(__file__).parents[1] / "scripts" / "train_drafter.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("dflash", [False, True])
+def test_evaluate_is_the_training_loss_without_an_update(target, seqs, tmp_path, dflash):
+    """`evaluate` reports the loss terms and per-slot c* that `compute_loss` gives the same
+    blocks (every anchor, so the draw does not matter), whatever its batch size, and changes
+    no weight."""
+    cfg = _cfg(batch=2, steps=3, **(dict(markov_rank=0, dflash=True) if dflash else {}))
+    trainer = Trainer.start(target, ListSource(seqs[:2]), cfg, tmp_path / "run", progress=False)
+    trainer.train()  # not the init: a drafter with some structure
+    d = trainer.drafter
+    before = [p.clone() for p in d.parameters()]
+    with torch.no_grad():
+        ref = compute_loss(d, trainer.batch(0), cfg)  # both sequences, every anchor
+    for batch in (1, 2):
+        r = evaluate(d, ListSource(seqs[:2]), cfg, batch=batch, progress=False)
+        assert r.sequences == 2
+        assert (r.ce, r.tv, r.conf) == pytest.approx((ref.ce.item(), ref.tv.item(), float(ref.conf)), rel=1e-5)
+        assert r.acceptance == pytest.approx(ref.acceptance.tolist(), rel=1e-5)
+        assert 1 < r.tau_estimate < 1 + GAMMA
+    assert (r.conf == 0) == dflash and d.training
+    assert all(torch.equal(a, b) for a, b in zip(before, d.parameters()))
+    part = evaluate(d, ListSource(seqs), cfg, indices=[2], progress=False)
+    assert part.sequences == 1 and part.ce != pytest.approx(r.ce)
+
+
+def test_a_warm_start_defaults_to_the_checkpoints_architecture(target, tmp_path):
+    """`train_drafter.py train --init-from CKPT` without architecture flags takes CKPT's
+    (rank, layers, layer ids, ...) instead of the fresh-run defaults; a flag still overrides."""
+    script = _script()
     for kw in (dict(markov_rank=24, markov_head_type="gated"), dict(markov_rank=0, dflash=True)):
         cfg = _cfg(num_layers=1, **kw)
         save_drafter(build_drafter(target, cfg), tmp_path / "ckpt", dtype=torch.bfloat16)
@@ -427,6 +456,11 @@ def test_prompt_files(tmp_path):
         prompts = load_train_prompts(limit=20)
         gsm = [p for p in prompts if p.source == "gsm8k-train"]
         assert len(gsm) == 20 and not any("####" in p.text for p in gsm)  # the question only
+        later = load_train_prompts(limit=20, skip=20)  # a held-out set: the next 20 of each file
+        assert len(later) == 40 and not {p.text for p in later} & {p.text for p in prompts}
+        assert {p.text for p in load_train_prompts(limit=40)} == {p.text for p in prompts + later}
+        with pytest.raises(DataError, match="after skipping"):
+            load_train_prompts(skip=10_000)
         assert any("\n\n" in p.text for p in prompts if p.source == "alpaca-seed-tasks")  # instruction + input
     assert first_question('**Question:** "How do I sort a list in Python?"\nMore text') == \
         "How do I sort a list in Python?"
@@ -479,8 +513,33 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
                                    atol=5e-2, rtol=5e-2)
     cfg = _cfg(batch=2, steps=2, mask_token_id=3)
     Trainer.start(t, cache, cfg, tmp_path / "run", progress=False).train()
+    # the evaluate command on a run directory and a cache: one JSON line with the table's numbers
+    argv = ["evaluate", "--target", str(tiny_hf), "--drafter", str(tmp_path / "run"), "--label", "tiny",
+            "--cache", str(tmp_path / "cache"), "--sequences", "4", "--json", str(tmp_path / "eval.jsonl")]
+    assert _script().main(argv) == 0
+    (row,) = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert row["label"] == "tiny" and row["sequences"] == 4 and len(row["acceptance"]) == GAMMA
+    assert 0 <= min(row["acceptance"]) <= max(row["acceptance"]) <= 1 and row["ce"] > 0
 
     synth = synthesize_prompts(model, tok, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
     assert len(synth) <= 2 and all(p.source.startswith("self:") for p in synth)
     with pytest.raises(DataError, match="no usable"):
         OnTheFlySource(t, [{**r0, "response_ids": r0["response_ids"][:1]}], LAYER_IDS)
+
+
+def test_a_held_out_set_shares_no_prompt_with_the_training_data(tiny_hf, tmp_path):
+    """`generate --skip N --disjoint-from DATA` answers only prompts DATA never saw."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ["q one?", "q two?", "q three?", "q one?"]))
+    gen = ["generate", "--target", str(tiny_hf), "--prompts", str(prompts), "--self-prompts", "0",
+           "--temperatures", "0", "--max-new-tokens", "3", "--batch", "2"]
+    script = _script()
+    assert script.main(gen + ["--data", str(tmp_path / "train"), "--limit", "2"]) == 0
+    seen = {r["prompt"] for r in read_responses(tmp_path / "train" / "responses")}
+    assert seen == {"q one?", "q two?"}
+    assert script.main(gen + ["--data", str(tmp_path / "held"), "--disjoint-from", str(tmp_path / "train")]) == 0
+    assert {r["prompt"] for r in read_responses(tmp_path / "held" / "responses")} == {"q three?"}
+    # --skip alone is positional: a prompt repeated later in a file comes back (the 4th line);
+    # --disjoint-from is what guarantees a held-out set
+    assert script.main(gen + ["--data", str(tmp_path / "held2"), "--skip", "2"]) == 0
+    assert {r["prompt"] for r in read_responses(tmp_path / "held2" / "responses")} == {"q three?", "q one?"}
