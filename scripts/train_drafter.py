@@ -399,8 +399,9 @@ def cmd_evaluate(args) -> int:
     for label, d in zip(labels, dirs):
         cfg = TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp)
         data = FeatureCache(args.cache, cfg.target_layer_ids)
-        n = len(data) if args.sequences is None else min(args.sequences, len(data))
-        indices = sorted(random.Random(args.seed).sample(range(len(data)), n))
+        pool = len(data) if args.first is None else min(args.first, len(data))
+        n = pool if args.sequences is None else min(args.sequences, pool)
+        indices = sorted(random.Random(args.seed).sample(range(pool), n))
         drafter = load_drafter(d, dtype=torch.float32, embeddings=(target.embed_tokens.weight, target.lm_head.weight))
         r = evaluate(drafter.to(device), data, cfg, seed=args.seed, indices=indices, device=device)
         rows.append({"label": label, "drafter": str(d), "cache": args.cache, "sequences": r.sequences,
@@ -515,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--cache", required=True, help="feature cache directory (from `cache`)")
     q.add_argument("--sequences", type=int, default=None, help="a seeded random sample of this many sequences "
                    "(default: all)")
+    q.add_argument("--first", type=int, default=None, help="only the cache's first N sequences (cache order: "
+                   "a cache grown by a later `generate` + `cache` keeps its earlier sequences first)")
     q.add_argument("--anchors", type=int, default=48, help="anchors per sequence (default 48)")
     q.add_argument("--seed", type=int, default=0, help="sample and anchor seed (default 0)")
     q.add_argument("--amp", choices=["bf16", "none"], default="bf16", help="autocast as in training (default bf16)")

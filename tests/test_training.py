@@ -517,8 +517,10 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     argv = ["evaluate", "--target", str(tiny_hf), "--drafter", str(tmp_path / "run"), "--label", "tiny",
             "--cache", str(tmp_path / "cache"), "--sequences", "4", "--json", str(tmp_path / "eval.jsonl")]
     assert _script().main(argv) == 0
-    (row,) = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert _script().main(argv + ["--first", "2"]) == 0
+    row, first2 = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert row["label"] == "tiny" and row["sequences"] == 4 and len(row["acceptance"]) == GAMMA
+    assert first2["sequences"] == 2 and first2["ce"] != row["ce"]
     assert 0 <= min(row["acceptance"]) <= max(row["acceptance"]) <= 1 and row["ce"] > 0
 
     synth = synthesize_prompts(model, tok, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
