@@ -3,13 +3,15 @@
 # ablation from scratch on a 2-core CPU, then Table 1 / Figure 2. Every step is resumable:
 # rerun the script and each step continues where it stopped.
 #
-#   bash scripts/reproduce_drafter.sh            # everything: about 4.5 hours on a 2-core VM
+#   bash scripts/reproduce_drafter.sh            # everything: about 5.5 hours on a 2-core VM
 #   TRAIN_MINUTES=30 bash scripts/reproduce_drafter.sh
 #
-# Training has two phases, as the shipped drafter had (two sessions): phase 1 from a random
+# Training has three phases, as the shipped drafter had (three sessions): phase 1 from a random
 # init (a 1000-step schedule that the first session's budget stopped at step 866 for DSpark
 # and 908 for DFlash: --max-steps reproduces that), phase 2 a warm start from phase 1's fp32
-# weights with a fresh schedule (1700 steps, lr 5e-4, seed 1).
+# weights with a fresh schedule (1700 steps, lr 5e-4, seed 1), phase 3 a warm start from
+# phase 2's on 1,800 more sequences (1,493 steps, lr 4e-4, seed 2). A held-out set (prompts
+# no phase trained on) measures every phase's drafters teacher-forced at the end.
 #
 # Wall time of the shipped run and every figure: README.md, "The default drafter".
 set -euo pipefail
@@ -20,22 +22,29 @@ RUN=${RUN:-out/drafter/run-dspark}
 RUN_DFLASH=${RUN_DFLASH:-out/drafter/run-dflash}
 INIT=out/drafter/init-dspark INIT_DFLASH=out/drafter/init-dflash  # phase 1's fp32 weights
 RUN2=out/drafter/run2-dspark RUN2_DFLASH=out/drafter/run2-dflash  # phase 2
+INIT3=out/drafter/init3-dspark INIT3_DFLASH=out/drafter/init3-dflash  # phase 2's fp32 weights
+RUN3=out/drafter/run3-dspark RUN3_DFLASH=out/drafter/run3-dflash  # phase 3
+HELDOUT=out/drafter/heldout
 TRAIN_MINUTES=${TRAIN_MINUTES:-100}  # a session's budget; rerun the script to continue a run later
 LAYERS="1 8 15 22 28"
 ARCH=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --amp bf16)
 PHASE1=(--steps 1000 --warmup 50 --lr 1e-3 --seed 0)
 PHASE2=(--steps 1700 --warmup 30 --lr 5e-4 --seed 1)
+STEPS3=1493  # what the third session's time allowed at about 3.1 s a step
+PHASE3=(--steps $STEPS3 --warmup 30 --lr 4e-4 --seed 2)
 SESSION=(--threads 1 --save-every 50 --log-every 5 --time-budget "${TRAIN_MINUTES}m")
 
+GEN=(--max-new-tokens 256 --batch 32 --threads 2)
+CACHE=(--layer-ids $LAYERS --dtype bf16 --batch 8 --threads 2)
 # 1. responses by the target itself (bf16, batch 32, at most 256 new tokens), 150 self-written
 #    chat/code requests first: at T = 0 for 500 GSM8K-train questions + 175 alpaca tasks + the
-#    150, at T = 1 for the first 250 of the GSM8K questions + the same 325
-python scripts/train_drafter.py generate --data "$DATA" --limit 500 --self-prompts 150 --temperatures 0 \
-    --max-new-tokens 256 --batch 32 --threads 2
-python scripts/train_drafter.py generate --data "$DATA" --limit 250 --self-prompts 150 --temperatures 1 \
-    --max-new-tokens 256 --batch 32 --threads 2
+#    150, at T = 1 for the first 250 of the GSM8K questions + the same 325 (phases 1 and 2 train
+#    on these 1,400 only: a run resumes only on the data it started with, so the growth for
+#    phase 3 waits until phase 2 is done)
+python scripts/train_drafter.py generate --data "$DATA" --limit 500 --self-prompts 150 --temperatures 0 "${GEN[@]}"
+python scripts/train_drafter.py generate --data "$DATA" --limit 250 --self-prompts 150 --temperatures 1 "${GEN[@]}"
 # 2. the target's features at the drafter's layers + its final hidden state (fp16 on disk, bf16 matmuls)
-python scripts/train_drafter.py cache --data "$DATA" --layer-ids $LAYERS --dtype bf16 --batch 8 --threads 2
+python scripts/train_drafter.py cache --data "$DATA" "${CACHE[@]}"
 # 3. DSpark and the DFlash ablation side by side, one core each, same data, schedule and seed
 steps_done() {  # run-dir -> the latest checkpoint's step (0 if none)
     local last; last=$(ls "$1/checkpoints" 2>/dev/null | tail -1)
@@ -68,10 +77,32 @@ train "$RUN2" 1700 "${PHASE2[@]}" --init-from "$INIT" >> "$RUN2.log" 2>&1 &  # p
 train "$RUN2_DFLASH" 1700 "${PHASE2[@]}" --dflash --init-from "$INIT_DFLASH" >> "$RUN2_DFLASH.log" 2>&1 &
 wait
 reached "$RUN2" 1700 "$RUN2_DFLASH" 1700
+# phase 3: 800 more GSM8K questions and 200 more self-written requests at T = 0, 600 more GSM8K
+# questions at T = 1 (3,200 sequences in all), then a warm start from phase 2's fp32 weights
+python scripts/train_drafter.py generate --data "$DATA" --limit 1300 --self-prompts 350 --temperatures 0 "${GEN[@]}"
+python scripts/train_drafter.py generate --data "$DATA" --limit 850 --self-prompts 350 --temperatures 1 "${GEN[@]}"
+python scripts/train_drafter.py cache --data "$DATA" "${CACHE[@]}"
+[ -e "$INIT3" ] || python scripts/train_drafter.py export --run "$RUN2" --out "$INIT3" --dtype fp32
+[ -e "$INIT3_DFLASH" ] || python scripts/train_drafter.py export --run "$RUN2_DFLASH" --out "$INIT3_DFLASH" --dtype fp32
+train "$RUN3" $STEPS3 "${PHASE3[@]}" --init-from "$INIT3" >> "$RUN3.log" 2>&1 &
+train "$RUN3_DFLASH" $STEPS3 "${PHASE3[@]}" --dflash --init-from "$INIT3_DFLASH" >> "$RUN3_DFLASH.log" 2>&1 &
+wait
+reached "$RUN3" $STEPS3 "$RUN3_DFLASH" $STEPS3
 # 4. the shippable bf16 checkpoints (no embeddings: restored from the target at load)
-python scripts/train_drafter.py export --run "$RUN2" --out export/drafters/smollm2-135m-instruct
-python scripts/train_drafter.py export --run "$RUN2_DFLASH" --out out/drafter/smollm2-dflash
+python scripts/train_drafter.py export --run "$RUN3" --out export/drafters/smollm2-135m-instruct
+python scripts/train_drafter.py export --run "$RUN3_DFLASH" --out out/drafter/smollm2-dflash
 # 5. bundles (the DFlash one reuses the default bundle's target graphs) and Table 1 / Figure 2
 dspark export --out engines/smollm2
 dspark export --drafter out/drafter/smollm2-dflash --out engines/smollm2-dflash --reuse-target engines/smollm2
-dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash --out out/bench
+dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash --prompts 8 \
+    --max-new-tokens 160 --threads 1 --out out/bench
+# 6. the held-out set: the last 100 GSM8K-train questions and 40 new self-written requests, none
+#    in $DATA, at T = 0 and 1; every phase's drafters teacher-forced on it and on 280 of the
+#    first 1,400 training sequences
+python scripts/train_drafter.py generate --data "$HELDOUT" --skip 7373 --self-prompts 40 --seed 7 \
+    --disjoint-from "$DATA" --temperatures 0 1 "${GEN[@]}"
+python scripts/train_drafter.py cache --data "$HELDOUT" "${CACHE[@]}"
+EVAL=(python scripts/train_drafter.py evaluate --threads 2 --drafter "$INIT" "$INIT3" "$RUN3" "$INIT_DFLASH"
+      "$INIT3_DFLASH" "$RUN3_DFLASH" --label dspark-p1 dspark-p2 dspark-p3 dflash-p1 dflash-p2 dflash-p3)
+"${EVAL[@]}" --cache "$HELDOUT/features-${LAYERS// /_}"
+"${EVAL[@]}" --cache "$DATA/features-${LAYERS// /_}" --first 1400 --sequences 280  # trained on by every phase
