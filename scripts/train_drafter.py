@@ -393,15 +393,19 @@ def cmd_evaluate(args) -> int:
     labels = args.label or [str(d) for d in args.drafter]
     if len(labels) != len(dirs):
         raise SystemExit(f"{len(labels)} --label for {len(dirs)} --drafter")
+    cfgs = [TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp) for d in dirs]
+    data = FeatureCache(args.cache, cfgs[0].target_layer_ids)  # one cache, one sample for every drafter
+    for d, cfg in zip(dirs, cfgs):
+        if cfg.target_layer_ids != cfgs[0].target_layer_ids:
+            raise SystemExit(f"{d}: target_layer_ids {list(cfg.target_layer_ids)}, the cache holds "
+                             f"{list(cfgs[0].target_layer_ids)}")
+    pool = len(data) if args.first is None else min(args.first, len(data))
+    n = pool if args.sequences is None else min(args.sequences, pool)
+    indices = sorted(random.Random(args.seed).sample(range(pool), n))
     target = load_target(args.target).model
     device = _device(args.device)
     rows = []
-    for label, d in zip(labels, dirs):
-        cfg = TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp)
-        data = FeatureCache(args.cache, cfg.target_layer_ids)
-        pool = len(data) if args.first is None else min(args.first, len(data))
-        n = pool if args.sequences is None else min(args.sequences, pool)
-        indices = sorted(random.Random(args.seed).sample(range(pool), n))
+    for label, d, cfg in zip(labels, dirs, cfgs):
         drafter = load_drafter(d, dtype=torch.float32, embeddings=(target.embed_tokens.weight, target.lm_head.weight))
         r = evaluate(drafter.to(device), data, cfg, seed=args.seed, indices=indices, device=device)
         rows.append({"label": label, "drafter": str(d), "cache": args.cache, "sequences": r.sequences,
