@@ -16,6 +16,7 @@ from dspark.runtime.errors import CheckpointError
 from dspark.runtime.manifest import Manifest
 
 from .checkpoint import load_drafter
+from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
 from .ort_graph import export_drafter_ort, export_target_ort, supports_ort_graph
@@ -69,10 +70,23 @@ def reusable_target(bundle: Path, target: LoadedTarget, drafter: Drafter) -> Man
     return old
 
 
+def draft_vocab(size: int, target: LoadedTarget, drafter_source: Path | None) -> tuple[torch.Tensor, str]:
+    """([size] ids, how they were chosen): see draft_vocab.py."""
+    V = target.model.cfg.vocab_size
+    found = load_counts(drafter_source, V) if drafter_source is not None else None
+    if found is None:
+        how = f"the {size} lowest ids (BPE merge order: the drafter has no {COUNTS_FILE})"
+    else:
+        how = f"the {size} most frequent ids in {found[1]}"
+    return choose_vocab(size, V, target.stop_token_ids, None if found is None else found[0]), how + ", with the stop tokens"
+
+
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
-                  name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None) -> Manifest:
+                  name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None,
+                  draft_vocab_size: int | None = None) -> Manifest:
     """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
-    hard-linked (or copied) instead of exported again: a new drafter in seconds."""
+    hard-linked (or copied) instead of exported again: a new drafter in seconds.
+    `draft_vocab_size`: the drafter graphs propose only that many ids (draft_vocab.py)."""
     out = Path(out)
     steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
@@ -81,6 +95,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     steps.set_postfix_str("loading drafter")
     drafter, label, drafter_source = resolve_drafter(target, drafter_path)
     reused = reusable_target(Path(reuse_target), target, drafter) if reuse_target else None
+    vocab, vocab_note = draft_vocab(draft_vocab_size, target, drafter_source) if draft_vocab_size else (None, None)
     steps.update()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -105,13 +120,13 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
                     graphs["target_ort"] = "target_ort.onnx"
                 steps.update()
             steps.set_postfix_str("exporting drafter graph")
-            ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx")
+            ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx", vocab=vocab)
             graphs["drafter"] = "drafter.onnx"
             ops["drafter_ort"] = export_drafter_ort(tmp / "drafter.onnx", tmp / "drafter_ort.onnx")
             graphs["drafter_ort"] = "drafter_ort.onnx"
             # the same int8 graph without the `If`, for calls whose rows are all greedy
             greedy = tmp / "drafter_greedy.onnx"  # fp32, only the quantizer's input
-            export_drafter(drafter, greedy, branch="greedy")
+            export_drafter(drafter, greedy, branch="greedy", vocab=vocab)
             ops["drafter_ort_greedy"] = export_drafter_ort(greedy, tmp / "drafter_ort_greedy.onnx")
             graphs["drafter_ort_greedy"] = "drafter_ort_greedy.onnx"
             for f in (greedy, greedy.with_name(greedy.name + ".data")):
@@ -134,7 +149,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             drafter_label=label,
             source_hashes={"target": sha256(target.source),
                            "drafter": sha256(drafter_source) if drafter_source else "untrained"},
-            extra={"ops": ops},
+            extra={"ops": ops, **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         manifest.save(tmp)

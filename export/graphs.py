@@ -7,6 +7,8 @@ new K/V rows, which the runtime writes into its buffers. Attention is computed i
 parts, past and new, so the cache is never concatenated with the new rows."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -169,15 +171,17 @@ class SequentialStage(nn.Module):
     no distributions (probs None): at T = 0 acceptance compares tokens, so γ one-hot rows over
     the vocabulary would be built and copied for nothing."""
 
-    def __init__(self, drafter: Drafter, branch: str = "cond"):
+    def __init__(self, drafter: Drafter, branch: str = "cond", vocab: torch.Tensor | None = None):
         super().__init__()
         if branch not in BRANCHES:
             raise ValueError(f"branch {branch!r} is not one of {BRANCHES}")
         self.drafter = drafter
         self.branch = branch
+        self.register_buffer("vocab", vocab)  # [K] draft vocabulary ids, or None: the base logits cover all V
 
     def forward(self, h, base, anchor, temperature, uniforms):
-        """h [B, γ, d], base [B, γ, V] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
+        """h [B, γ, d], base [B, γ, K] (K = V without a draft vocabulary) -> tokens [B, γ] (vocabulary
+        ids), probs [B, γ, V] (zero outside the draft vocabulary), confidence [B, γ]."""
         if self.branch == "sampled":
             return self.sampled(h, base, anchor, temperature, uniforms)
         if self.branch == "greedy":
@@ -192,25 +196,28 @@ class SequentialStage(nn.Module):
 
     def steps(self, h, base, anchor, temperature, uniforms, sample: bool, one_hot: bool = True):
         d, c = self.drafter, self.drafter.cfg
-        B, gamma, V = base.shape
+        B, gamma, K = base.shape
         greedy = temperature[:, None] <= 0  # [B, 1]
         inv_t = 1.0 / torch.where(greedy[:, 0], torch.ones_like(temperature), temperature)
-        vocab = torch.arange(V, device=anchor.device)
+        draft_ids = torch.arange(K, device=anchor.device)  # [K] indices into the base logits
         prev = anchor
         state = h.new_zeros(B, c.markov_rank) if d.markov_head is not None else None
         tokens, probs, conf = [], [], []
         for k in range(gamma):
-            z = base[:, k]
+            z = base[:, k]  # [B, K]
             if d.markov_head is not None:
                 bias, state = d.markov_head.step(h[:, k], prev, state)
                 z = z + bias
             top = torch.argmax(z, dim=-1)
             if sample:
                 p = torch.softmax(z * inv_t[:, None], dim=-1)
-                tok = torch.where(greedy[:, 0], top, inverse_cdf(p, uniforms[:, k]))
-                p = torch.where(greedy, (vocab[None, :] == top[:, None]).to(z.dtype), p)
+                idx = torch.where(greedy[:, 0], top, inverse_cdf(p, uniforms[:, k]))
+                p = torch.where(greedy, (draft_ids[None, :] == top[:, None]).to(z.dtype), p)
             else:
-                tok, p = top, (vocab[None, :] == top[:, None]).to(z.dtype) if one_hot else None
+                idx, p = top, (draft_ids[None, :] == top[:, None]).to(z.dtype) if one_hot else None
+            tok = idx if self.vocab is None else self.vocab[idx]  # [B] vocabulary ids
+            if p is not None and self.vocab is not None:  # [B, K] -> [B, V], zero outside the draft vocabulary
+                p = p.new_zeros(B, c.vocab_size).scatter(1, self.vocab[None, :].expand(B, K), p)
             if d.confidence_head is not None:
                 inp = h[:, k]
                 if c.confidence_head_with_markov:
@@ -224,6 +231,22 @@ class SequentialStage(nn.Module):
         return torch.stack(tokens, 1), torch.stack(probs, 1) if probs[0] is not None else None, torch.stack(conf, 1)
 
 
+def restrict_vocab(drafter: Drafter, vocab: torch.Tensor) -> Drafter:
+    """A copy of `drafter` whose LM head and Markov output projection score only the ids in
+    `vocab` [K] (sorted, distinct): a draft vocabulary (FR-Spec). On a CPU the [γ, d] x [d, V]
+    LM head is the largest matmul of a drafter pass; proposals are then drawn from the K ids
+    alone, which costs acceptance only where the target's token lies outside them. Acceptance
+    corrects any proposal (dspark.md §1), so the output does not change."""
+    d = copy.deepcopy(drafter)
+    d.lm_head = nn.Linear(d.cfg.hidden_size, len(vocab), bias=False)
+    d.lm_head.weight = nn.Parameter(drafter.lm_head.weight[vocab].detach().clone(), requires_grad=False)
+    if d.markov_head is not None:
+        w2 = drafter.markov_head.markov_w2.weight[vocab].detach().clone()  # [K, r]
+        d.markov_head.markov_w2 = nn.Linear(w2.shape[1], len(vocab), bias=False)
+        d.markov_head.markov_w2.weight = nn.Parameter(w2, requires_grad=False)
+    return d
+
+
 class DrafterGraph(nn.Module):
     """Backbone + the γ-step sequential stage, unrolled, with randomness as an input.
 
@@ -233,12 +256,16 @@ class DrafterGraph(nn.Module):
              ctx_mask [B, n] f32 (additive: rows of requests with fewer than n new context
              rows are padding the block must not read), past_key_i / past_value_i [B, Hkv, S_max, D]
     outputs: draft_tokens [B, γ] int64, draft_probs [B, γ, V] (not with branch "greedy"),
-             confidence_logits [B, γ], ctx_key_i / ctx_value_i [B, Hkv, n, D]"""
+             confidence_logits [B, γ], ctx_key_i / ctx_value_i [B, Hkv, n, D]
 
-    def __init__(self, drafter: Drafter, branch: str = "cond"):
+    vocab: a draft vocabulary (restrict_vocab); the outputs keep the whole vocabulary's ids and width."""
+
+    def __init__(self, drafter: Drafter, branch: str = "cond", vocab: torch.Tensor | None = None):
         super().__init__()
+        if vocab is not None:
+            drafter = restrict_vocab(drafter, vocab)
         self.drafter = drafter
-        self.sequential = SequentialStage(drafter, branch)
+        self.sequential = SequentialStage(drafter, branch, vocab)
 
     def forward(self, features, positions, anchor, temperature, uniforms, past_mask, ctx_mask, *past):
         d, c = self.drafter, self.drafter.cfg

@@ -42,8 +42,9 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
     return graph_ops(path)
 
 
-def export_drafter(drafter: Drafter, path: Path, branch: str = "cond") -> list[str]:
-    """branch: the sequential stage's form (graphs.SequentialStage); every form has the same inputs."""
+def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: torch.Tensor | None = None) -> list[str]:
+    """branch: the sequential stage's form (graphs.SequentialStage); every form has the same inputs.
+    vocab: a draft vocabulary [K] (graphs.restrict_vocab), or None for the whole vocabulary."""
     c = drafter.cfg
     L, gamma = c.num_layers, c.block_size
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
@@ -56,7 +57,7 @@ def export_drafter(drafter: Drafter, path: Path, branch: str = "cond") -> list[s
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
     shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
               tuple({0: b, 2: smax} for _ in kv))
-    program = torch.onnx.export(DrafterGraph(drafter, branch).eval(), args, input_names=inputs, output_names=outputs,
+    program = torch.onnx.export(DrafterGraph(drafter, branch, vocab).eval(), args, input_names=inputs, output_names=outputs,
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
                                 verbose=False)
     _save(program, path)

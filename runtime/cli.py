@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="hard-link the target graphs of this "
                    "bundle (same target, same feature layers) instead of exporting them again: a new drafter "
                    "in seconds")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K", help="the drafter graphs propose only "
+                   "K token ids: the K most frequent in the drafter's training responses (its token_counts.json; "
+                   "else the K lowest ids, BPE merge order) plus the stop tokens. Cuts the drafter's LM head to "
+                   "K/V of its cost; a target token outside them cannot be drafted. Output unchanged "
+                   "(default: the whole vocabulary)")
 
     p = sub.add_parser("generate", help="generate text for one prompt",
                        description="Generate for one user message, wrapped in the model's chat template "
@@ -207,7 +212,8 @@ def cmd_export(args) -> int:
         from dspark.export.bundle import export_bundle
     except ImportError as e:
         raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
-    m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target)
+    m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target,
+                      draft_vocab_size=args.draft_vocab)
     print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers, drafter γ={m.drafter.block_size} "
           f"({m.drafter_label})")
     return 0

@@ -362,6 +362,10 @@ def cmd_export(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     export_drafter(drafter, args.out, TrainConfig.from_dict(state["config"]), int(state["step"]), dtype,
                    args.with_embeddings)
+    if (Path(info["data"]) / "responses").is_dir():  # for `dspark export --draft-vocab`
+        from dspark.export.draft_vocab import count_responses, save_counts
+
+        save_counts(args.out, *count_responses(info["data"], m.cfg.vocab_size))
     print(f"wrote {args.out} from {ckpt} ({args.dtype}); bundle it with "
           f"`dspark export --drafter {args.out} --out engines/<name>`", file=sys.stderr)
     return 0
