@@ -95,7 +95,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     steps.set_postfix_str("loading drafter")
     drafter, label, drafter_source = resolve_drafter(target, drafter_path)
     reused = reusable_target(Path(reuse_target), target, drafter) if reuse_target else None
-    vocab, vocab_note = draft_vocab(draft_vocab_size, target, drafter_source) if draft_vocab_size else (None, None)
+    vocab, vocab_note = (None, None) if draft_vocab_size is None else draft_vocab(draft_vocab_size, target, drafter_source)
     steps.update()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -118,3 +118,8 @@ def test_bundle_with_a_draft_vocabulary_is_lossless(tiny_bundle, tmp_path):
     sampled = e.generate("What is 17 * 23?", max_new_tokens=16, temperature=1.0, seed=1, scheduler="fixed")
     assert len(sampled.token_ids) > 0
     assert drafted and all(set(d.tokens.flatten().tolist()) <= vocab for d in drafted)
+    for bad in (0, V + 1):  # refused before anything is exported or written
+        with pytest.raises(ConfigError, match=f"expected 1..{V}"):
+            export_bundle(tmp_path / "bad", tiny_bundle.target_dir, drafter_dir, progress=False,
+                          reuse_target=tiny_bundle.path, draft_vocab_size=bad)
+        assert not (tmp_path / "bad").exists()
