@@ -20,10 +20,8 @@ COUNTS_FILE = "token_counts.json"
 
 def count_tokens(sequences: Iterable[Iterable[int]], vocab_size: int) -> np.ndarray:
     """Occurrences of every id in `sequences` -> [V] int64."""
-    counts = np.zeros(vocab_size, np.int64)
-    for ids in sequences:
-        counts += np.bincount(np.asarray(list(ids), np.int64), minlength=vocab_size)[:vocab_size]
-    return counts
+    ids = np.fromiter((t for seq in sequences for t in seq), np.int64)
+    return np.bincount(ids, minlength=vocab_size)[:vocab_size]
 
 
 def count_responses(directory: str | Path, vocab_size: int) -> tuple[np.ndarray, str]:
