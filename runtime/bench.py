@@ -7,7 +7,9 @@ target and differ in their drafter. Reports τ per dataset and temperature, the 
 domain and the macro-average over domains; the per-position conditional acceptance
 P(slot k accepted | slots < k accepted) as a PNG (Figure 2); and, because greedy
 decoding of a small model falls into repetition loops that inflate τ, the share of
-cycles spent inside one and τ without them.
+cycles spent inside one and τ without them. Any JSON Lines file of prompts can be measured
+beside (or instead of) the benchmark sets, e.g. training prompts no drafter saw, so that
+drafter settings are chosen without looking at the benchmarks.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from .errors import InputError
 from .progress import progress
+from .prompts import prompt_of
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 DATASETS = {"gsm8k": "math", "math500": "math", "humaneval": "code", "mbpp": "code",
             "mt-bench": "chat", "arena-hard-v2": "chat"}
 DOMAINS = ("math", "code", "chat")
+OTHER = "other"  # prompt files that are not benchmark sets
 LOOP_WINDOW = 16  # a token is inside a repetition loop when the 16 tokens ending at it occurred before
 
 
@@ -42,23 +46,66 @@ def default_data_dir() -> Path:
     return Path("../shared/data/bench")
 
 
-def read_prompts(data_dir: Path, name: str, n: int) -> list[str]:
-    """The first turn of the first `n` records of `data_dir/name.jsonl`."""
-    path = data_dir / f"{name}.jsonl"
-    if not path.exists():
-        raise InputError(f"{path}: no such benchmark file (datasets: {', '.join(DATASETS)}; --data sets the folder)")
+def read_set(path: Path, n: int, skip: int = 0) -> list[str]:
+    """The first turn of records skip..skip+n-1 of a JSON Lines file: benchmark records
+    ({"turns": [...]}) or training records (GSM8K `question`, alpaca `instruction`, our own
+    `text`; the user message only, never an answer)."""
     out = []
     for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            turns = json.loads(line)["turns"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(f"{path}:{no}: expected a JSON object with a 'turns' list") from None
-        out.append(turns[0])
+            rec = json.loads(line)
+            text = rec["turns"][0] if "turns" in rec else prompt_of(rec)
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
+            text = None
+        if not isinstance(text, str) or not text:
+            raise InputError(f"{path}:{no}: expected a JSON object with a 'turns' list (or a training record with "
+                             "a 'question', 'instruction' or 'text')")
+        if skip:
+            skip -= 1
+            continue
+        out.append(text)
         if len(out) == n:
             break
+    if not out:
+        raise InputError(f"{path}: no prompts left after skipping the first records")
     return out
+
+
+def read_prompts(data_dir: Path, name: str, n: int, skip: int = 0) -> list[str]:
+    """The first turn of records skip..skip+n-1 of the benchmark set `data_dir/name.jsonl`."""
+    path = data_dir / f"{name}.jsonl"
+    if not path.exists():
+        raise InputError(f"{path}: no such benchmark file (datasets: {', '.join(DATASETS)}; --data sets the folder)")
+    return read_set(path, n, skip)
+
+
+def load_sets(datasets: Sequence[str], data_dir: Path, files: Sequence[Path], n: int, skip: int = 0
+              ) -> dict[str, list[str]]:
+    """Set name -> prompts: the benchmark sets `datasets`, then each file of `files` under its
+    stem (e.g. held-out training prompts, to compare drafters without touching the benchmarks)."""
+    unknown = [d for d in datasets if d not in DATASETS]
+    if unknown:
+        raise InputError(f"unknown dataset(s) {unknown}; choose from {', '.join(DATASETS)}")
+    if n < 1 or skip < 0:
+        raise InputError(f"need --prompts >= 1 and --skip >= 0 (got {n}, {skip})")
+    sets = {name: read_prompts(data_dir, name, n, skip) for name in datasets}
+    for f in files:
+        name = f.name.removesuffix(".jsonl")
+        if name in sets:
+            raise InputError(f"two prompt sets are named {name!r}; rename the file {f}")
+        if not f.is_file():
+            raise InputError(f"{f}: no such file")
+        sets[name] = read_set(f, n, skip)
+    if not sets:
+        raise InputError("no prompt sets: give --datasets or --prompt-file")
+    return sets
+
+
+def domain_of(name: str) -> str:
+    """A benchmark set's domain; any other prompt file counts as its own domain, "other"."""
+    return DATASETS.get(name, OTHER)
 
 
 def loop_tokens(token_ids: Sequence[int], window: int = LOOP_WINDOW) -> np.ndarray:
@@ -132,8 +179,8 @@ def run_cell(engine: "Engine", prompts: Sequence[str], temperature: float, max_n
 def domain_means(taus: dict[str, float]) -> dict[str, float]:
     """Mean τ per domain over the datasets present, and 'macro' = the mean of the domain means."""
     out = {}
-    for d in DOMAINS:
-        vals = [t for name, t in taus.items() if DATASETS.get(name) == d]
+    for d in (*DOMAINS, OTHER):
+        vals = [t for name, t in taus.items() if domain_of(name) == d]
         if vals:
             out[d] = float(np.mean(vals))
     out["macro"] = float(np.mean(list(out.values())))
@@ -141,7 +188,7 @@ def domain_means(taus: dict[str, float]) -> dict[str, float]:
 
 
 def markdown_table(results: dict, datasets: Sequence[str]) -> str:
-    doms = [d for d in DOMAINS if any(DATASETS[n] == d for n in datasets)]
+    doms = [d for d in (*DOMAINS, OTHER) if any(domain_of(n) == d for n in datasets)]
     head = ["drafter", "T", *datasets, *doms, "macro"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, by_temp in results.items():
@@ -200,15 +247,13 @@ def plot_acceptance(results: dict, path: Path) -> None:
 
 def run(bundles: Sequence[str], labels: Sequence[str] | None, datasets: Sequence[str], n_prompts: int,
         temperatures: Sequence[float], max_new_tokens: int, data_dir: Path, out_dir: Path,
-        threads: int | None = None) -> dict:
-    unknown = [d for d in datasets if d not in DATASETS]
-    if unknown:
-        raise InputError(f"unknown dataset(s) {unknown}; choose from {', '.join(DATASETS)}")
+        threads: int | None = None, prompt_files: Sequence[Path] = (), skip: int = 0) -> dict:
     if labels and len(labels) != len(bundles):
         raise InputError(f"{len(labels)} --label for {len(bundles)} --bundle")
     from .engine import Engine
 
-    prompts = {name: read_prompts(data_dir, name, n_prompts) for name in datasets}  # bad files fail before loading
+    prompts = load_sets(datasets, data_dir, prompt_files, n_prompts, skip)  # bad files fail before loading
+    datasets = list(prompts)
     engines = [Engine.load(b, threads=threads) for b in bundles]
     labels = list(labels) if labels else [e.manifest.name for e in engines]
     bar = progress(len(engines) * len(temperatures) * sum(map(len, prompts.values())), "bench", "prompt")
@@ -219,7 +264,8 @@ def run(bundles: Sequence[str], labels: Sequence[str] | None, datasets: Sequence
     bar.close()
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "settings": {"bundles": list(bundles), "labels": labels, "datasets": list(datasets), "prompts": n_prompts,
+        "settings": {"bundles": list(bundles), "labels": labels, "datasets": datasets, "prompts": n_prompts,
+                     "skip": skip, "prompt_files": [str(f) for f in prompt_files],
                      "temperatures": list(temperatures), "max_new_tokens": max_new_tokens,
                      "scheduler": "fixed (every cycle verifies all γ drafts)", "loop_window": LOOP_WINDOW,
                      "drafters": {lab: e.manifest.drafter_label for lab, e in zip(labels, engines)}},

@@ -27,6 +27,7 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
   dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash
+  dspark bench --bundle engines/smollm2 --bundle engines/smollm2-v16k --prompt-file ../shared/data/train/gsm8k-train.jsonl --skip 7373
   dspark profile --bundle engines/smollm2 --max-slots 32
   dspark calibrate --bundle engines/smollm2 --prompts 200
   dspark build --bundle engines/smollm2 --backend tensorrt --precision fp32 --max-seq 2048
@@ -97,15 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import DATASETS
     p = sub.add_parser("bench", help="accepted length per benchmark dataset (the paper's Table 1 and Figure 2)",
                        description="Accepted length τ (accepted drafts + the emitted token, per cycle) with every "
-                       "cycle verifying all γ drafts, on the first --prompts prompts (first turn) of each "
-                       "benchmark set, at each temperature, for each bundle. Prints the table with per-domain "
+                       "cycle verifying all γ drafts, on --prompts prompts (first turn, from record --skip) of "
+                       "each benchmark set and each --prompt-file, at each temperature, for each bundle. Prints the table with per-domain "
                        "means and the macro-average, the share of cycles inside greedy repetition loops, and "
                        "writes OUT/bench.json and OUT/acceptance.png (per-position conditional acceptance).")
     p.add_argument("--bundle", action="append", required=True, help="bundle directory (repeat to compare drafters)")
     p.add_argument("--label", action="append", default=None, help="name of each --bundle in the table (default: "
                    "the bundle's name)")
-    p.add_argument("--datasets", nargs="+", default=list(DATASETS), help=f"default: {' '.join(DATASETS)}")
-    p.add_argument("--prompts", type=int, default=10, help="prompts per dataset (default 10)")
+    p.add_argument("--datasets", nargs="+", default=None, help=f"benchmark sets (default: {' '.join(DATASETS)}; "
+                   "none when --prompt-file is given)")
+    p.add_argument("--prompt-file", action="append", default=[], help="a JSON Lines file of prompts measured as "
+                   "one more set named by its stem (repeatable): benchmark records {\"turns\": [...]} or training "
+                   "records (question, instruction, text), e.g. training prompts the drafter never saw, to "
+                   "tune a drafter without the benchmarks")
+    p.add_argument("--prompts", type=int, default=10, help="prompts per set (default 10)")
+    p.add_argument("--skip", type=int, default=0, help="start every set at this record (default 0; e.g. past the "
+                   "training prompts a drafter saw)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
     p.add_argument("--max-new-tokens", type=int, default=192, help="tokens per prompt (default 192)")
     p.add_argument("--data", default=None, help="folder of the benchmark JSON Lines (default: ../shared/data/bench)")
@@ -280,10 +288,12 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from .bench import default_data_dir, run
+    from .bench import DATASETS, default_data_dir, run
 
-    rep = run(args.bundle, args.label, args.datasets, args.prompts, args.temperatures, args.max_new_tokens,
-              Path(args.data) if args.data else default_data_dir(), Path(args.out), args.threads)
+    datasets = args.datasets if args.datasets is not None else [] if args.prompt_file else list(DATASETS)
+    rep = run(args.bundle, args.label, datasets, args.prompts, args.temperatures, args.max_new_tokens,
+              Path(args.data) if args.data else default_data_dir(), Path(args.out), args.threads,
+              [Path(f) for f in args.prompt_file], args.skip)
     print(rep["report"]["table"])
     for label, by_temp in rep["cells"].items():
         for temp, cells in by_temp.items():

@@ -77,3 +77,41 @@ def test_bench_bad_input(case, message, tiny_bundle, tmp_path, capsys):
     argv = ["bench", "--bundle", str(tiny_bundle.path), "--data", str(data), "--out", str(tmp_path / "o"), *case]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_prompt_file_of_training_records(tiny_bundle, tmp_path, capsys):
+    """--prompt-file measures any prompt file as one more set ("other" domain), from record --skip on."""
+    train = tmp_path / "heldout-train.jsonl"
+    train.write_text("\n".join(json.dumps({"question": f"say {i} twice", "answer": "never read"}) for i in range(4)) + "\n")
+    out = tmp_path / "out"
+    argv = ["bench", "--bundle", str(tiny_bundle.path), "--label", "A", "--prompt-file", str(train), "--skip", "1",
+            "--prompts", "2", "--temperatures", "0", "--max-new-tokens", "16", "--out", str(out), "--threads", "1"]
+    assert main(argv) == 0
+    assert "| drafter | T | heldout-train | other | macro |" in capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["datasets"] == ["heldout-train"] and report["settings"]["skip"] == 1
+    cell = report["results"]["A"]["0"]["heldout-train"]
+
+    engine = Engine.load(tiny_bundle.path, threads=1)  # the prompts were records 1 and 2
+    emitted = []
+    for i, prompt in enumerate(["say 1 twice", "say 2 twice"]):
+        emitted += engine.generate(prompt, max_new_tokens=16, temperature=0.0, seed=i, scheduler="fixed").stats.emitted
+    assert cell["prompts"] == 2 and cell["cycles"] == len(emitted) and cell["tau"] == pytest.approx(np.mean(emitted))
+
+
+@pytest.mark.parametrize("case, message", [
+    (["--prompt-file", "missing.jsonl"], "no such file"),
+    (["--prompt-file", "train.jsonl", "--skip", "5"], "no prompts left after skipping"),
+    (["--prompt-file", "gsm8k.jsonl", "--datasets", "gsm8k"], "two prompt sets are named 'gsm8k'"),
+    (["--prompt-file", "answers.jsonl"], "or a training record"),
+    (["--datasets", "gsm8k", "--skip", "-1"], "--skip >= 0"),
+])
+def test_bench_prompt_file_bad_input(case, message, tiny_bundle, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "bench"
+    _write_bench(data, ["gsm8k"], 1)
+    monkeypatch.chdir(data)
+    (data / "train.jsonl").write_text(json.dumps({"question": "q"}) + "\n")
+    (data / "answers.jsonl").write_text(json.dumps({"answer": "a"}) + "\n")
+    argv = ["bench", "--bundle", str(tiny_bundle.path), "--data", str(data), "--out", str(tmp_path / "o"), *case]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
