@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .drafter import Drafter
-from .layers import rope_cos_sin
+from .layers import RMSNorm, rope_cos_sin
 from .target import TargetModel
 
 MASKED = -1e9  # additive mask value for rows that must not be attended
@@ -61,6 +61,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm written as Pow → ReduceMean → Add → Sqrt → Div → Mul, the pattern ONNX Runtime
     fuses into one SimplifiedLayerNormalization (and TensorRT into its normalization layer)."""
     return weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class FusableRMSNorm(nn.Module):
+    """A `layers.RMSNorm` (Hugging Face's x * rsqrt(...), which the exporter writes as Sqrt →
+    Reciprocal → Mul and ONNX Runtime does not fuse) computed as `rms_norm`; same weight."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def fusable_norms(module: nn.Module) -> nn.Module:
+    """A copy of `module` whose RMSNorms are `FusableRMSNorm`s."""
+    module = copy.deepcopy(module)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, FusableRMSNorm(child))
+    return module
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -264,6 +286,7 @@ class DrafterGraph(nn.Module):
         super().__init__()
         if vocab is not None:
             drafter = restrict_vocab(drafter, vocab)
+        drafter = fusable_norms(drafter)  # every RMSNorm one fused op on ONNX Runtime
         self.drafter = drafter
         self.sequential = SequentialStage(drafter, branch, vocab)
 

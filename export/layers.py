@@ -75,19 +75,19 @@ class Projections(nn.Module):
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, S, d] -> q [B, H, S, D], normed and rotated."""
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        if self.qk_norm:  # per head, before the transpose: exported, the norm stays one fusable pattern
             q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+        return apply_rope(q.transpose(1, 2), cos, sin)
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, d] -> k, v [B, Hkv, S, D]; k normed and rotated, v as projected."""
         b, s, _ = x.shape
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             k = self.k_norm(k)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k.transpose(1, 2), cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, H, S, D], k/v [B, Hkv, T, D], mask [B, 1, S, T] bool (True = attend) -> [B, S, d]."""

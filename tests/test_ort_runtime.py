@@ -333,3 +333,47 @@ def test_reuse_target_links_the_target_graphs(tiny_bundle, tmp_path):
         export_bundle(tmp_path / "b3", tiny_bundle.target_dir, tmp_path / "d3", progress=False,
                       reuse_target=tiny_bundle.path)
     assert not (tmp_path / "b3").exists()
+
+
+def _optimized_ops(path, tmp_path) -> list[str]:
+    """The op types of a graph after ONNX Runtime's graph optimizations, subgraphs included."""
+    import onnx
+    import onnxruntime as ort
+
+    from dspark.export.tensorrt_ops import walk_nodes
+
+    from dspark.runtime.ort_backend import session_options
+
+    so = session_options(None)  # the process's shared pool, as every other session of the tests
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in walk_nodes(onnx.load(so.optimized_model_filepath, load_external_data=False).graph)]
+
+
+def test_every_rms_norm_is_fused(tiny_bundle, manifest, tmp_path):
+    """ONNX Runtime fuses each RMSNorm of the exported graphs into one SimplifiedLayerNormalization:
+    the drafter's modules compute Hugging Face's x * rsqrt(...), which it would leave as five ops
+    (Pow, ReduceMean, Add, Sqrt, Reciprocal) and a Mul; and one whose Mul a transpose separates. The drafter is exported with random norm
+    weights: the exporter folds away a Mul by a weight of ones, which leaves nothing to fuse."""
+    import copy
+
+    import torch
+
+    from dspark.export.layers import RMSNorm
+    from dspark.export.onnx_export import export_drafter
+    from dspark.export.ort_graph import export_drafter_ort
+
+    ops = _optimized_ops(tiny_bundle.path / manifest.graphs["target"], tmp_path)
+    assert "SimplifiedLayerNormalization" in ops and "Sqrt" not in ops
+    drafter = copy.deepcopy(tiny_bundle.drafter)
+    norms = [m for m in drafter.modules() if isinstance(m, RMSNorm)]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.uniform_(0.5, 1.5)
+    export_drafter(drafter, tmp_path / "drafter.onnx")
+    export_drafter_ort(tmp_path / "drafter.onnx", tmp_path / "drafter_ort.onnx")
+    for graph in ("drafter.onnx", "drafter_ort.onnx"):
+        ops = _optimized_ops(tmp_path / graph, tmp_path)
+        assert "Sqrt" not in ops and "Pow" not in ops, (graph, sorted(set(ops)))
+        # q/k norms run on the queries and on both kinds of keys: at least one fused op per module
+        assert ops.count("SimplifiedLayerNormalization") >= len(norms), graph
