@@ -2,7 +2,7 @@
 """Benchmark, side by side on this CPU (batch 1, greedy):
 
   (a) the target alone on the bundle's ONNX Runtime engine  (engine.generate(..., scheduler="none"))
-  (b) DSpark on the same engine                             (scheduler "fixed", "threshold", or any of --schedulers)
+  (b) DSpark on the same engine                             (scheduler "fixed", "auto", or any of --schedulers)
   (c) transformers `generate` on the same model             (the GGUF the bundle was exported from)
   (d) llama.cpp on that GGUF, as it is (Q4_1 weights)        (llama-cpp-python, when it is installed)
 
@@ -510,10 +510,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="data folder (default ../shared/data relative to the repo root)")
     p.add_argument("--n-prompts", type=int, default=5, help="prompts per dataset (default 5)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request (default 256)")
-    p.add_argument("--schedulers", default="fixed,threshold",
-                   help="DSpark schedulers to run, comma-separated (default fixed,threshold): fixed, threshold, "
-                        "prefix, async, cost, auto; prefix, async and cost need the bundle's sps.json and "
-                        "calibration.json (`dspark profile`, `dspark calibrate`)")
+    p.add_argument("--schedulers", default="fixed,auto",
+                   help="DSpark schedulers to run, comma-separated (default fixed,auto: every γ drafts verified, "
+                        "and the runtime's default): fixed, threshold, prefix, async, cost, auto; prefix, async "
+                        "and cost need the bundle's sps.json and calibration.json (`dspark profile`, "
+                        "`dspark calibrate`), auto falls back to fixed without them")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold scheduler")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="ORT intra-op threads and torch threads (default: every core)")
