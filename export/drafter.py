@@ -137,7 +137,7 @@ class Drafter(nn.Module):
         B, gamma, V = base_logits.shape
         prev = anchor
         state = h.new_zeros(B, self.markov_head.rank) if self.markov_head is not None else None
-        tokens, logits, probs, conf = [], [], [], []
+        tokens, logits, probs = [], [], []
         for k in range(gamma):
             z = base_logits[:, k]
             if self.markov_head is not None:
@@ -149,17 +149,24 @@ class Drafter(nn.Module):
             else:
                 tok = z.argmax(-1) if forced is None else forced[:, k]
                 p = nn.functional.one_hot(z.argmax(-1), V).float()
-            if self.confidence_head is not None:
-                inp = h[:, k]
-                if self.cfg.confidence_head_with_markov:
-                    inp = torch.cat([inp, self.markov_head.markov_w1(prev)], dim=-1)
-                conf.append(self.confidence_head.proj(inp)[:, 0])
             tokens.append(tok)
             logits.append(z)
             probs.append(p)
             prev = tok
-        conf_t = torch.stack(conf, 1) if conf else base_logits.new_zeros(B, gamma)
-        return SequentialOut(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), conf_t)
+        tokens_t = torch.stack(tokens, 1)  # [B, γ]
+        conf = self.confidence(h, torch.cat([anchor[:, None], tokens_t[:, :-1]], 1))
+        return SequentialOut(tokens_t, torch.stack(logits, 1), torch.stack(probs, 1), conf)
+
+    def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h [B, γ, d], prev [B, γ] (the token before each slot: the anchor, then the drafts) ->
+        confidence logits [B, γ] (zeros without a confidence head). One pass over the block: a
+        slot's confidence reads only its own state and the token before it."""
+        if self.confidence_head is None:
+            return h.new_zeros(h.shape[:2])
+        inp = h
+        if self.cfg.confidence_head_with_markov:
+            inp = torch.cat([h, self.markov_head.markov_w1(prev)], dim=-1)  # [B, γ, d + r]
+        return self.confidence_head.proj(inp)[..., 0]
 
 
 @dataclass

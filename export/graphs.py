@@ -224,7 +224,7 @@ class SequentialStage(nn.Module):
         draft_ids = torch.arange(K, device=anchor.device)  # [K] indices into the base logits
         prev = anchor
         state = h.new_zeros(B, c.markov_rank) if d.markov_head is not None else None
-        tokens, probs, conf = [], [], []
+        tokens, probs = [], []
         for k in range(gamma):
             z = base[:, k]  # [B, K]
             if d.markov_head is not None:
@@ -240,17 +240,12 @@ class SequentialStage(nn.Module):
             tok = idx if self.vocab is None else self.vocab[idx]  # [B] vocabulary ids
             if p is not None and self.vocab is not None:  # [B, K] -> [B, V], zero outside the draft vocabulary
                 p = p.new_zeros(B, c.vocab_size).scatter(1, self.vocab[None, :].expand(B, K), p)
-            if d.confidence_head is not None:
-                inp = h[:, k]
-                if c.confidence_head_with_markov:
-                    inp = torch.cat([inp, d.markov_head.markov_w1(prev)], dim=-1)
-                conf.append(d.confidence_head.proj(inp)[:, 0])
-            else:
-                conf.append(torch.zeros_like(temperature))
             tokens.append(tok)
             probs.append(p)
             prev = tok
-        return torch.stack(tokens, 1), torch.stack(probs, 1) if probs[0] is not None else None, torch.stack(conf, 1)
+        tokens_t = torch.stack(tokens, 1)  # [B, γ]
+        conf = d.confidence(h, torch.cat([anchor[:, None], tokens_t[:, :-1]], 1))  # after the loop: one matmul
+        return tokens_t, torch.stack(probs, 1) if probs[0] is not None else None, conf
 
 
 def restrict_vocab(drafter: Drafter, vocab: torch.Tensor) -> Drafter:

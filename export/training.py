@@ -480,12 +480,7 @@ def teacher_forced_heads(drafter: Drafter, h: torch.Tensor, prev: torch.Tensor) 
             b, state = mh.step(h[:, k], prev[:, k], state)  # [N, V]
             bias.append(b)
         logits = base + torch.stack(bias, dim=1)
-    conf = None
-    if drafter.confidence_head is not None:
-        inp = h
-        if drafter.cfg.confidence_head_with_markov:
-            inp = torch.cat([h, mh.markov_w1(prev)], dim=-1)  # [N, γ, d + r]
-        conf = drafter.confidence_head.proj(inp)[..., 0]  # [N, γ]
+    conf = drafter.confidence(h, prev) if drafter.confidence_head is not None else None  # [N, γ]
     return HeadOutputs(base, logits, conf)
 
 
