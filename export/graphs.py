@@ -75,14 +75,12 @@ class FusableRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def fusable_norms(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose RMSNorms are `FusableRMSNorm`s."""
-    module = copy.deepcopy(module)
+def fuse_norms(module: nn.Module) -> None:
+    """Swap every RMSNorm of `module` for a `FusableRMSNorm`, in place."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, RMSNorm):
                 setattr(parent, name, FusableRMSNorm(child))
-    return module
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -248,20 +246,19 @@ class SequentialStage(nn.Module):
         return tokens_t, torch.stack(probs, 1) if probs[0] is not None else None, conf
 
 
-def restrict_vocab(drafter: Drafter, vocab: torch.Tensor) -> Drafter:
-    """A copy of `drafter` whose LM head and Markov output projection score only the ids in
+def restrict_vocab(drafter: Drafter, vocab: torch.Tensor) -> None:
+    """Cut `drafter`'s LM head and Markov output projection, in place, to score only the ids in
     `vocab` [K] (sorted, distinct): a draft vocabulary (FR-Spec). On a CPU the [γ, d] x [d, V]
     LM head is the largest matmul of a drafter pass; proposals are then drawn from the K ids
     alone, which costs acceptance only where the target's token lies outside them. Acceptance
     corrects any proposal (dspark.md §1), so the output does not change."""
-    d = copy.deepcopy(drafter)
-    d.lm_head = nn.Linear(d.cfg.hidden_size, len(vocab), bias=False)
-    d.lm_head.weight = nn.Parameter(drafter.lm_head.weight[vocab].detach().clone(), requires_grad=False)
-    if d.markov_head is not None:
+    weight = drafter.lm_head.weight[vocab].detach().clone()  # [K, d]
+    drafter.lm_head = nn.Linear(drafter.cfg.hidden_size, len(vocab), bias=False)
+    drafter.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    if drafter.markov_head is not None:
         w2 = drafter.markov_head.markov_w2.weight[vocab].detach().clone()  # [K, r]
-        d.markov_head.markov_w2 = nn.Linear(w2.shape[1], len(vocab), bias=False)
-        d.markov_head.markov_w2.weight = nn.Parameter(w2, requires_grad=False)
-    return d
+        drafter.markov_head.markov_w2 = nn.Linear(w2.shape[1], len(vocab), bias=False)
+        drafter.markov_head.markov_w2.weight = nn.Parameter(w2, requires_grad=False)
 
 
 class DrafterGraph(nn.Module):
@@ -279,9 +276,10 @@ class DrafterGraph(nn.Module):
 
     def __init__(self, drafter: Drafter, branch: str = "cond", vocab: torch.Tensor | None = None):
         super().__init__()
+        drafter = copy.deepcopy(drafter)  # the graph's own: the caller's drafter stays as it is
         if vocab is not None:
-            drafter = restrict_vocab(drafter, vocab)
-        drafter = fusable_norms(drafter)  # every RMSNorm one fused op on ONNX Runtime
+            restrict_vocab(drafter, vocab)
+        fuse_norms(drafter)  # every RMSNorm one fused op on ONNX Runtime
         self.drafter = drafter
         self.sequential = SequentialStage(drafter, branch, vocab)
 

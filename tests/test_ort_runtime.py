@@ -341,7 +341,6 @@ def _optimized_ops(path, tmp_path) -> list[str]:
     import onnxruntime as ort
 
     from dspark.export.tensorrt_ops import walk_nodes
-
     from dspark.runtime.ort_backend import session_options
 
     so = session_options(None)  # the process's shared pool, as every other session of the tests
@@ -353,8 +352,9 @@ def _optimized_ops(path, tmp_path) -> list[str]:
 def test_every_rms_norm_is_fused(tiny_bundle, manifest, tmp_path):
     """ONNX Runtime fuses each RMSNorm of the exported graphs into one SimplifiedLayerNormalization:
     the drafter's modules compute Hugging Face's x * rsqrt(...), which it would leave as five ops
-    (Pow, ReduceMean, Add, Sqrt, Reciprocal) and a Mul; and one whose Mul a transpose separates. The drafter is exported with random norm
-    weights: the exporter folds away a Mul by a weight of ones, which leaves nothing to fuse."""
+    (Pow, ReduceMean, Add, Sqrt, Reciprocal) and a Mul; and one whose Mul a transpose separates.
+    The drafter is exported with random norm weights: the exporter folds away a Mul by a weight
+    of ones, which leaves nothing to fuse."""
     import copy
 
     import torch
