@@ -27,6 +27,14 @@ def softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def inverse_cdf(probs, u):
+    """probs [..., V] (unnormalised is fine), u [...] in [0, 1) -> [...] the first index whose
+    cumulative mass exceeds u·total. Array methods only: numpy, CuPy and torch arrays alike."""
+    cdf = probs.cumsum(-1)
+    below = (cdf <= (u * cdf[..., -1])[..., None]).sum(-1)
+    return below.clip(max=probs.shape[-1] - 1)
+
+
 def sample_from(p: np.ndarray, u: float) -> int:
     """Inverse-CDF draw: the first index whose cumulative mass exceeds u·total."""
     cdf = np.cumsum(p)
