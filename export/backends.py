@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.runtime.backend import Backend
+from dspark.runtime.backends import Backend
 from dspark.runtime.errors import InputError
 from dspark.runtime.manifest import Manifest
 

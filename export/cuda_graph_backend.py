@@ -1,5 +1,5 @@
 """The PyTorch reference graphs (export/graphs.py: the computation the ONNX graphs hold) run
-as steps of the shared GPU layer (dspark.runtime.gpu), captured as CUDA graphs by PyTorch.
+as steps of the shared GPU layer (dspark.runtime.backends.gpu), captured as CUDA graphs by PyTorch.
 
 Export side: torch never becomes a runtime dependency. On a CUDA device this is the second
 GPU backend next to TensorRT (UNTESTED until a GPU is lent: see scripts/gpu_check.sh). On
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from dspark.runtime.errors import BackendError
-from dspark.runtime.gpu.buckets import Buckets
-from dspark.runtime.gpu.device import Outputs
-from dspark.runtime.gpu.graph_backend import GraphBackend
+from dspark.runtime.backends.gpu.buckets import Buckets
+from dspark.runtime.backends.gpu.device import Outputs
+from dspark.runtime.backends.gpu.graph_backend import GraphBackend
 
 from .drafter import Drafter
 from .graphs import DRAFTER_INPUTS, TARGET_INPUTS, DrafterGraph, TargetGraph, drafter_outputs, target_outputs
@@ -27,7 +27,7 @@ from .target import TargetModel
 
 
 class TorchDevice:
-    """`dspark.runtime.gpu.device.Device` over torch tensors on one device."""
+    """`dspark.runtime.backends.gpu.device.Device` over torch tensors on one device."""
 
     def __init__(self, device: str = "cuda", warmup: int = 2):
         self.device = torch.device(device)
@@ -86,7 +86,7 @@ class TorchDevice:
 
 
 class TorchStep:
-    """One graph module as a `dspark.runtime.gpu.graph_backend.Step`."""
+    """One graph module as a `dspark.runtime.backends.gpu.graph_backend.Step`."""
 
     def __init__(self, module: nn.Module, input_names: tuple[str, ...], output_names: list[str]):
         self.module, self.input_names, self.output_names = module, input_names, output_names

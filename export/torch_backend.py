@@ -1,19 +1,25 @@
-"""The PyTorch reference models as a `dspark.runtime.backend.Backend`: the yardstick
+"""The PyTorch reference models as a `dspark.runtime.backends.Backend`: the yardstick
 the exported engines are compared with, driven by the same decoding loop. Each slot has
 its own batch-1 cache and draft session and rows run one after the other, so a row's
 result cannot depend on the others by construction."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
-from dspark.runtime.backend import Draft
+from dspark.runtime.backends import Draft, RunEvent, RunHook, StepBatch, Verdict
+from dspark.runtime.backends.base import verify_on_host
 
 from .drafter import Drafter, DraftSession
 from .target import TargetModel
 
 
 class TorchBackend:
+    accepts_on_device = False
+    drafter_graph = "fp32"
+
     def __init__(self, target: TargetModel, drafter: Drafter | None, max_seq: int = 2048, slots: int = 1):
         if drafter is not None:
             drafter.cfg.check_against(target.cfg)
@@ -25,17 +31,24 @@ class TorchBackend:
         self.vocab_size = target.cfg.vocab_size
         self.max_seq = max_seq
         self.slots = slots
+        self.on_run: RunHook | None = None
+
+    def _timed(self, kind: str, graph: str, t0: float, inputs: dict[str, np.ndarray]) -> None:
+        if self.on_run is not None:
+            self.on_run(RunEvent(kind, graph, time.perf_counter() - t0, inputs))
 
     @torch.inference_mode()
-    def _row(self, slot: int, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def _row(self, slot: int, tokens: np.ndarray, start: int, kind: str = "target") -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # [1, S]
         pos = torch.arange(start, start + ids.shape[1])[None]  # [1, S]
         logits, feats = self.model(ids, pos, self.caches[slot], self.feature_ids)
         feats_np = feats[0].float().numpy() if feats is not None else np.zeros((ids.shape[1], 0), np.float32)
+        self._timed(kind, "target", t0, {"input_ids": ids.numpy()})
         return logits[0].float().numpy(), feats_np  # [S, V], [S, F]
 
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
-        logits, feats = self._row(slot, tokens, 0)
+        logits, feats = self._row(slot, tokens, 0, "prefill")
         n = len(tokens)
         if not ingest:
             return logits[-1], feats
@@ -48,14 +61,19 @@ class TorchBackend:
         rows = [self._row(r, tokens[r], int(starts[r])) for r in range(len(tokens))]
         return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
-    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
-        floors = np.zeros_like(ctx_starts) if floors is None else floors
+    def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
+        return verify_on_host(self, batch, draft)
+
+    def draft(self, batch: StepBatch) -> Draft:
+        t0 = time.perf_counter()
         out = []
-        for r in range(len(anchors)):
+        for r in range(len(batch.anchors)):
             session = self.sessions[r]
-            session.cache_len = int(ctx_starts[r])  # drop anything drafted past the committed context
-            out.append(session.draft(features[r, :counts[r]], int(anchors[r]), int(ctx_starts[r] + counts[r]),
-                                     float(temperatures[r]), uniforms=uniforms[r], floor=int(floors[r])))
+            start, n = int(batch.starts[r]), int(batch.counts[r])
+            session.cache_len = start - n  # drop anything drafted past the committed context
+            out.append(session.draft(batch.features[r, :n], int(batch.anchors[r]), start,
+                                     float(batch.temperatures[r]), uniforms=batch.draft_uniforms[r],
+                                     floor=int(batch.floors[r])))
+        self._timed("drafter", "drafter", t0, {"features": batch.features})
         return Draft(np.stack([d.tokens for d in out]), np.stack([d.probs for d in out]),
                      np.stack([d.confidence_logits for d in out]))

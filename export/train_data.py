@@ -31,7 +31,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from dspark.runtime.errors import ConfigError
-from dspark.runtime.prompts import (DEFAULT_TRAIN_DIR, DEFAULT_TRAIN_FILES, PROJECT_ROOT, DataError,  # noqa: F401
+from dspark.runtime.tools.prompts import (DEFAULT_TRAIN_DIR, DEFAULT_TRAIN_FILES, PROJECT_ROOT, DataError,  # noqa: F401
                                     Prompt, load_train_prompts, prompt_of, read_jsonl, read_prompts, refuse_bench)
 
 from .target import TargetModel

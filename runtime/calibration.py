@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import BundleError, InputError
-from .scheduler import sigmoid
+from .sampling import sigmoid
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MASKED = -1e9  # additive attention mask for rows that must not be read
+from .graph_io import MASKED
 
 
 class KVBuffers:

@@ -84,15 +84,6 @@ class SpsTable:
             raise BundleError(f"{path} is corrupt ({e}); re-run `dspark profile --bundle {bundle}`") from e
 
 
-def drafter_graph_of(backend) -> str:
-    """The name under which the SPS table keeps the drafter cost of what `backend` runs at T = 0
-    (what `dspark profile` measures): "int8-greedy" for ONNX Runtime's greedy-only int8 graph over
-    every row, "int8" for its full int8 graph row by row, "fp32" for the exported graph."""
-    if getattr(backend, "greedy_graph", False):
-        return "int8-greedy"
-    return "int8" if getattr(backend, "drafter_int8", False) else "fp32"
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Θ of a verification plan ℓ [R].

@@ -142,7 +142,7 @@ def session_options(threads: int) -> ort.SessionOptions:
     """The engine's own session options (global intra-op pool), so side measurements run on
     the same threads as the engine."""
     try:
-        from dspark.runtime.ort_backend import session_options as engine_options
+        from dspark.runtime.backends.onnxruntime import session_options as engine_options
         return engine_options(threads)
     except ImportError:
         so = ort.SessionOptions()
@@ -231,7 +231,7 @@ def check_lossless(engine, prompt: str, ref: list[int], cand: list[int]) -> dict
     top-2 logit gap there (from one target pass over prompt + ref) says whether it is a near-tie."""
     if ref == cand:
         return {"identical": True, "diverged_at": None, "gap": None, "verdict": "identical"}
-    from dspark.runtime.parity import greedy_match
+    from dspark.runtime.tools.parity import greedy_match
 
     ids = engine.encode(prompt)
     seq = np.asarray(ids + ref, np.int64)

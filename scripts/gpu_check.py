@@ -67,7 +67,7 @@ def check_identity(ctx: dict, res: dict) -> None:
 
     from dspark.export import TorchBackend
     from dspark.runtime import FixedLength, SamplingParams, generate
-    from dspark.runtime.parity import greedy_match
+    from dspark.runtime.tools.parity import greedy_match
 
     target, drafter, a = ctx["target"], ctx["drafter"], ctx["args"]
     out = res["identity"] = {"prompts": [len(p) for p in ctx["prompts"]], "greedy": [], "sampled": []}
@@ -143,7 +143,7 @@ def check_sps(ctx: dict, res: dict) -> None:
 
 def check_cupy(ctx: dict, res: dict) -> None:
     """The CuPy device of the TensorRT backend: row scatter from device positions, captured and replayed."""
-    from dspark.runtime.gpu.cupy_device import CupyDevice
+    from dspark.runtime.backends.gpu.cupy_device import CupyDevice
 
     dev = CupyDevice()
     rng = np.random.default_rng(0)

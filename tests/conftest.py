@@ -86,7 +86,7 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     """The default SmolLM2 bundle: `dspark export --out <tmp>/smollm2` once per session
     (~2.5 min), or an existing bundle directory named by $DSPARK_BUNDLE."""
     from dspark.export import default_target_path
-    from dspark.runtime.cli import main
+    from dspark.runtime.tools.cli import main
     from dspark.runtime.errors import CheckpointError
 
     existing = os.environ.get("DSPARK_BUNDLE")

@@ -167,3 +167,20 @@ class Blocker(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Blocker())
 """
+
+
+def step_batch(features, counts, ctx_starts, anchors, temperatures, uniforms, floors=None):
+    """A `StepBatch` for a drafting round from per-row arrays: features [B, n, F], counts [B],
+    ctx_starts [B] (the first new context row's position), anchors [B], temperatures [B],
+    draft uniforms [B, γ], floors [B] (default 0)."""
+    import numpy as np
+
+    from dspark.runtime.backends import StepBatch
+
+    counts, ctx_starts = np.asarray(counts, np.int64), np.asarray(ctx_starts, np.int64)
+    B, gamma = np.shape(uniforms)
+    u = np.zeros((B, 2 * gamma + 1))
+    u[:, :gamma] = uniforms
+    return StepBatch(np.asarray(features, np.float32), counts,
+                     np.zeros(B, np.int64) if floors is None else np.asarray(floors, np.int64), ctx_starts + counts,
+                     np.asarray(anchors, np.int64), np.asarray(temperatures, np.float64), u, np.zeros(B, np.int64))

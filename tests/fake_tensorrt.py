@@ -1,4 +1,4 @@
-"""A FAKE of the `tensorrt` module, for unit tests of dspark.runtime.trt on machines without
+"""A FAKE of the `tensorrt` module, for unit tests of dspark.runtime.backends.tensorrt on machines without
 TensorRT. It is NOT TensorRT and proves nothing about TensorRT: it implements the few calls
 our builder and backend make, records them, and checks what TensorRT would refuse for our
 inputs. Builder: every network input (read from the ONNX file with `onnx`) needs a shape in
@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from dspark.runtime.gpu.cupy_device import GpuInfo
-from dspark.runtime.ort_backend import session_options
+from dspark.runtime.backends.gpu.cupy_device import GpuInfo
+from dspark.runtime.backends.onnxruntime import session_options
 
 __version__ = "10.99.0-fake"
 NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=1)

@@ -11,10 +11,10 @@ import math
 import numpy as np
 import pytest
 
+from rules import accept_probability, residual, sample_from, sample_token, softmax, verify
+
 from dspark.runtime import SamplingParams
 from dspark.runtime.errors import InputError
-from dspark.runtime.sampling import (accept_probability, check_temperature, residual, sample_from, sample_token,
-                                     softmax, verify)
 
 V = 6
 
@@ -206,14 +206,13 @@ def test_sample_token():
 
 
 @pytest.mark.parametrize("bad", [-1.0, -1e-12, math.nan, math.inf, -math.inf])
-def test_check_temperature_rejects(bad):
-    with pytest.raises(InputError):
-        check_temperature(bad)
-    with pytest.raises(InputError):
+def test_temperature_rejects(bad):
+    with pytest.raises(InputError, match="temperature"):
         SamplingParams(temperature=bad)
 
 
 @pytest.mark.parametrize("ok", [0.0, 1e-6, 0.7, 1.0, 2.5])
-def test_check_temperature_accepts(ok):
-    assert check_temperature(ok) == ok and type(check_temperature(ok)) is float
-    assert check_temperature(np.float32(0.5)) == 0.5
+def test_temperature_accepts(ok):
+    t = SamplingParams(temperature=ok).temperature
+    assert t == ok and type(t) is float
+    assert SamplingParams(temperature=np.float32(0.5)).temperature == 0.5

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from dspark.runtime import BundleError, DSparkError, Engine, InputError
-from dspark.runtime.cli import main
+from dspark.runtime.tools.cli import main
 
 PROMPT = "Hello there, how are you?"
 LONG_PROMPT = "Tell me everything about dragons, caves, the sea and the sky. " * 3  # > 64 chars = tokens

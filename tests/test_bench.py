@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dspark.runtime import Engine
-from dspark.runtime.bench import domain_means, loop_cycles, loop_tokens, wilson
-from dspark.runtime.cli import main
+from dspark.runtime.tools.bench import domain_means, loop_cycles, loop_tokens, wilson
+from dspark.runtime.tools.cli import main
 
 
 def test_loop_tokens_marks_a_repeated_window():

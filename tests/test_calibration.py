@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark.runtime import sts
-from dspark.runtime.scheduler import sigmoid
+from dspark.runtime.tools import sts
+from dspark.runtime.sampling import sigmoid
 
 TRUE_T = np.array([2.0, 0.6, 3.0])  # raw scores over-, under- and over-confident
 

@@ -9,12 +9,12 @@ import shutil
 
 import numpy as np
 import pytest
-from factories import reference_logits
+from factories import reference_logits, step_batch
 
 from dspark.runtime import BundleError, Calibration, Engine, InputError, SpsTable
-from dspark.runtime.cli import main
-from dspark.runtime.ort_backend import INT8_MAX_SLOTS
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.tools.cli import main
+from dspark.runtime.backends.onnxruntime import INT8_MAX_SLOTS
+from dspark.runtime.tools.parity import greedy_match
 
 PROMPTS = ["Hello there, how are you?", "What is 17 * 23?", "Tell me a story about a dragon.", "Hi",
            "abc def ghi jkl mno pqr"]
@@ -56,7 +56,7 @@ def test_greedy_batch_identical_to_solo(tiny_bundle, engines, scheduler):
     if scheduler in ("threshold", "prefix", "async", "cost"):
         assert len(lengths) > 1, f"{scheduler}: verified lengths {sorted(lengths)} should vary"
     if scheduler == "cost":
-        drafted = sum(g.stats.drafted for g in batch)
+        drafted = sum(sum(g.stats.drafted) for g in batch)
         cycles = sum(g.stats.cycles for g in batch)
         assert 0 < drafted < cycles, f"the drafter gate should skip some steps ({drafted} of {cycles} drafted)"
 
@@ -68,7 +68,7 @@ def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
     reference row by row, sampled."""
     from dspark.export import TorchBackend
     from dspark.runtime.manifest import Manifest
-    from dspark.runtime.ort_backend import OrtBackend
+    from dspark.runtime.backends.onnxruntime import OrtBackend
 
     solo_engine, _ = engines
     manifest = Manifest.load(tiny_bundle.path)
@@ -82,14 +82,14 @@ def test_batched_steps_match_torch_rows(tiny_bundle, engines, graph):
         feats.append(fr)
     # slot 1 takes two more target tokens first, so that it feeds the drafter 3 context rows
     extra = np.array([[5, 6]], np.int64)
-    ob._run_target(1, extra, np.array([len(ids[1])]), np.zeros((1, 1), np.int64))
+    ob._run_target(1, extra, np.array([len(ids[1])]), np.zeros((1, 1), np.int64), "target")
     (_, fr1) = tb._row(1, extra[0], len(ids[1]))
     counts = np.array([1, 3])
     features = np.zeros((2, 3, manifest.drafter.feature_dim), np.float32)
     features[0, :1], features[1] = feats[0], np.concatenate([feats[1], fr1])
     starts = np.array([len(ids[0]), len(ids[1]) + 2])
     args = (counts, starts - counts, np.array([7, 8]), np.ones(2, np.float32), np.random.default_rng(0).random((2, 4)))
-    do, dr = ob.draft(features, *args), tb.draft(features, *args)
+    do, dr = ob.draft(step_batch(features, *args)), tb.draft(step_batch(features, *args))
     assert do.tokens.tolist() == dr.tokens.tolist()
     np.testing.assert_allclose(do.probs, dr.probs, atol=1e-4)
     np.testing.assert_allclose(do.confidence_logits, dr.confidence_logits, atol=1e-4)
@@ -104,7 +104,7 @@ def test_drafter_floor_masks_older_context(tiny_bundle, engines):
     another context, drafts what slot 0 drafts, on both backends; without the floor it would not."""
     from dspark.export import TorchBackend
     from dspark.runtime.manifest import Manifest
-    from dspark.runtime.ort_backend import OrtBackend
+    from dspark.runtime.backends.onnxruntime import OrtBackend
 
     solo_engine, _ = engines
     manifest = Manifest.load(tiny_bundle.path)
@@ -118,10 +118,10 @@ def test_drafter_floor_masks_older_context(tiny_bundle, engines):
     gamma = ob.block_size
     zeros2 = (np.zeros(2, np.int64), np.zeros(2, np.float32), np.zeros((2, gamma)))
     for be in (ob, tb):  # positions [0, floor): the real rows in slot 0, other rows in slot 1
-        be.draft(np.stack([feats[:floor], other]), np.full(2, floor), np.zeros(2, np.int64), *zeros2)
+        be.draft(step_batch(np.stack([feats[:floor], other]), np.full(2, floor), np.zeros(2, np.int64), *zeros2))
     recent = np.stack([feats[floor:]] * 2)  # [2, 3, F]
     args = (np.full(2, n - floor), np.full(2, floor), np.array([7, 7]), np.zeros(2, np.float32), np.zeros((2, gamma)))
-    (do, dt), (wo, wt) = [[be.draft(recent, *args, floors=np.full(2, f)) for be in (ob, tb)] for f in (floor, 0)]
+    (do, dt), (wo, wt) = [[be.draft(step_batch(recent, *args, floors=np.full(2, f))) for be in (ob, tb)] for f in (floor, 0)]
     for d in (do, dt):
         assert d.tokens[0].tolist() == d.tokens[1].tolist()
         np.testing.assert_allclose(d.confidence_logits[0], d.confidence_logits[1], atol=1e-5)
@@ -134,7 +134,7 @@ def test_skipped_steps_catch_up_within_a_window(tiny_bundle, engines):
     """With the drafter gate skipping steps, requests joining meanwhile are not fed to the drafter
     at join, and a round after a long skip feeds at most `catch_up` rows with the context
     restarting there (asserted: both happen); greedy outputs stay those of the target alone."""
-    from dspark.runtime.generate import Request, SamplingParams, generate, generate_batch
+    from dspark.runtime.core import Request, SamplingParams, generate, generate_batch
     from dspark.runtime.schedulers import make_scheduler
 
     solo_engine, batch_engine = engines
@@ -142,6 +142,7 @@ def test_skipped_steps_catch_up_within_a_window(tiny_bundle, engines):
 
     class Recording:
         block_size, vocab_size, max_seq, slots = inner.block_size, inner.vocab_size, inner.max_seq, inner.slots
+        accepts_on_device, drafter_graph, on_run = False, inner.drafter_graph, None
 
         def prefill(self, slot, tokens, ingest):
             seen["deferred"] += not ingest
@@ -150,10 +151,13 @@ def test_skipped_steps_catch_up_within_a_window(tiny_bundle, engines):
         def target(self, tokens, starts):
             return inner.target(tokens, starts)
 
-        def draft(self, features, counts, ctx_starts, *args, floors):
-            seen["floored"] += int((floors > 0).sum())
-            seen["max_rows"] = max(seen["max_rows"], int(counts.max()))
-            return inner.draft(features, counts, ctx_starts, *args, floors=floors)
+        def draft(self, batch):
+            seen["floored"] += int((batch.floors > 0).sum())
+            seen["max_rows"] = max(seen["max_rows"], int(batch.counts.max()))
+            return inner.draft(batch)
+
+        def verify(self, batch, draft):
+            return inner.verify(batch, draft)
 
     prompts = PROMPTS * 2
     budgets = [12, 40, 25, 40, 8, 30, 40, 12, 40, 20]  # requests leave at different steps
@@ -206,7 +210,7 @@ def test_auto_drafter_graph_follows_the_slot_count(engines):
     solo_engine, batch_engine = engines
     assert SLOTS > INT8_MAX_SLOTS
     assert solo_engine.backend.drafter_int8 and not batch_engine.backend.drafter_int8
-    assert solo_engine.backend.greedy_graph and batch_engine.backend.greedy_graph
+    assert solo_engine.backend.drafter_graph == batch_engine.backend.drafter_graph == "int8-greedy"
 
 
 def test_kv_buffers_sized_at_load(engines):

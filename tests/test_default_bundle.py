@@ -10,13 +10,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from factories import reference_logits
+from factories import reference_logits, step_batch
 
 from dspark.export import TorchBackend
-from dspark.runtime.cli import main
+from dspark.runtime.tools.cli import main
 from dspark.runtime.manifest import BUNDLE_FORMAT, Manifest
-from dspark.runtime.ort_backend import OrtBackend
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.backends.onnxruntime import OrtBackend
+from dspark.runtime.tools.parity import greedy_match
 from dspark.runtime.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.slow
@@ -143,8 +143,8 @@ def test_drafter_graph_matches_torch(default_bundle, manifest, smollm2, temperat
     for round_ in range(2):
         args = (np.array([len(ctx)]), np.array([ctx_start]), np.array([anchor]), np.array([temperature]),
                 rng.random((1, gamma)))
-        do = ort_be.draft(ctx[None], *args)
-        dr = ref.draft(ctx[None], *args)
+        do = ort_be.draft(step_batch(ctx[None], *args))
+        dr = ref.draft(step_batch(ctx[None], *args))
         k = same_draws(do.tokens[0], dr.tokens[0], dr.probs[0], args[-1][0], f"round {round_}")
         np.testing.assert_allclose(do.probs[0, :k], dr.probs[0, :k], atol=2e-3, err_msg=f"round {round_}: draft probs")
         np.testing.assert_allclose(do.confidence_logits[0, :k], dr.confidence_logits[0, :k], atol=2e-3)
@@ -221,7 +221,7 @@ def test_no_speculation_gives_the_same_tokens(default_bundle, smollm2, capsys):
 
 
 def test_chat_over_stdin(default_bundle):
-    p = subprocess.run([sys.executable, "-m", "dspark.runtime.cli", "chat", "--bundle", str(default_bundle.path),
+    p = subprocess.run([sys.executable, "-m", "dspark.runtime.tools.cli", "chat", "--bundle", str(default_bundle.path),
                         "--max-new-tokens", "24", "--max-seq", MAX_SEQ],
                        input="Hello\n/exit\n", capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

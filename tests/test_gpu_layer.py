@@ -5,14 +5,14 @@ re-runs the body instead of capturing a CUDA graph. The capture itself needs a G
 (scripts/gpu_check.sh)."""
 import numpy as np
 import pytest
-from factories import copy_drafter, reference_logits, tiny_target
+from factories import copy_drafter, reference_logits, step_batch, tiny_target
 
 from dspark.export import TorchBackend
 from dspark.export.cuda_graph_backend import cuda_graph_backend
 from dspark.runtime import BackendError, FixedLength, InputError, SamplingParams, StaticThreshold, generate
-from dspark.runtime.gpu.buckets import Buckets, past_mask
+from dspark.runtime.backends.gpu.buckets import Buckets, past_mask
 from dspark.runtime.kv import MASKED
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.tools.parity import greedy_match
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 42, 42, 9, 17, 60, 5, 6, 7, 8, 9, 10], [70]]
 
@@ -109,11 +109,12 @@ def test_graph_backend_steps_match_reference_rows(models):
         be.target(ids[None], zero + 60)  # past max_seq
     n = len(ids)
     args = (np.ones(1, np.int64), zero + n - 1, np.array([5]), np.ones(1), np.full((1, 4), 0.5))
-    d, r = be.draft(fp[None], *args), ref.draft(fq[None], *args)  # distributions stay on the device until read
+    d, r = be.draft(step_batch(fp[None], *args)), ref.draft(step_batch(fq[None], *args))  # probs on the device until read
     assert d.tokens.shape == (1, 4) and d.tokens.tolist() == r.tokens.tolist()
     assert np.abs(d.probs - r.probs).max() < 1e-5
     floors = np.array([3])  # the same round with the context restarting at position 3
-    df, rf = be.draft(fp[None], *args, floors=floors), ref.draft(fq[None], *args, floors=floors)
+    df = be.draft(step_batch(fp[None], *args, floors=floors))
+    rf = ref.draft(step_batch(fq[None], *args, floors=floors))
     assert df.tokens.tolist() == rf.tokens.tolist() and np.abs(df.probs - rf.probs).max() < 1e-5
     np.testing.assert_allclose(df.confidence_logits, rf.confidence_logits, atol=1e-4)
     assert np.abs(df.confidence_logits - d.confidence_logits).max() > 1e-2  # the floor masked something

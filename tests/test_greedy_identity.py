@@ -5,7 +5,7 @@ from factories import copy_drafter, reference_logits, tiny_drafter, tiny_target
 
 from dspark.export import TorchBackend
 from dspark.runtime import FixedLength, SamplingParams, StaticThreshold, generate
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.tools.parity import greedy_match
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 42, 42, 9, 17, 60], [70]]
 

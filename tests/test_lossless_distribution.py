@@ -9,7 +9,7 @@ shows in the output distribution.
    draft tokens from the drafter's exact per-slot distributions (which depend on
    earlier drafts through the sequential head), the scheduler's ℓ, acceptance
    outcomes and emitted tokens, cycle after cycle until K tokens are out — and is
-   parametrised by the rule's two functions (`accept_probability`, `residual`).
+   parametrised by the rule's two functions (`accept_probabilities`, `residual`).
    With the rule of `dspark.runtime.sampling` it reproduces the target's joint to
    1e-9; with a deliberately broken rule it does not.
 2. Wiring: `generate()` is replayed draw for draw (its RNG protocol: one uniform
@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 from factories import tiny_drafter, tiny_target
+from rules import accept_probability, residual, sample_from, softmax
 from scipy import stats
 
 import dspark.runtime.sampling as sampling
@@ -41,8 +42,7 @@ from dspark.export import DraftSession, TorchBackend
 from dspark.runtime import (Calibration, FixedLength, Request, SamplingParams, SpsTable, StaticThreshold, generate,
                             generate_batch)
 from dspark.runtime.schedulers import make_scheduler
-from dspark.runtime.sampling import accept_probability, residual, sample_from, softmax
-from dspark.runtime.scheduler import History
+from dspark.runtime.schedulers import History
 
 V, GAMMA, K = 5, 2, 3
 MAX_NEW = GAMMA + 2  # the first cycle may verify all γ slots
@@ -58,19 +58,19 @@ SCHEDULERS = {"fixed": FixedLength(), "threshold": StaticThreshold(THRESHOLD)}
 
 # ----- broken rules: each is a plausible implementation mistake ----------------------------
 
-def residual_is_target(p_t: np.ndarray, p_d: np.ndarray) -> np.ndarray:
+def residual_is_target(xp, p_t: np.ndarray, p_d: np.ndarray) -> np.ndarray:
     """After a rejection, draw from p_t instead of norm(max(0, p_t - p_d))."""
     return p_t
 
 
-def accept_without_ratio(p_t: np.ndarray, p_d: np.ndarray, token: int) -> float:
+def accept_without_ratio(xp, p_t: np.ndarray, p_d: np.ndarray, drafts: np.ndarray) -> np.ndarray:
     """Accept with probability p_t(x) instead of min(1, p_t(x) / p_d(x))."""
-    return float(p_t[token])
+    return xp.take_along_axis(p_t, drafts[..., None], -1)[..., 0]
 
 
-CORRECT = (accept_probability, residual)
-BROKEN = {"residual=p_t": (accept_probability, residual_is_target),
-          "accept=p_t(x)": (accept_without_ratio, residual)}
+CORRECT = (sampling.accept_probabilities, sampling.residual)
+BROKEN = {"residual=p_t": (sampling.accept_probabilities, residual_is_target),
+          "accept=p_t(x)": (accept_without_ratio, sampling.residual)}
 
 
 # ----- the models and their exact tables -------------------------------------------------
@@ -157,7 +157,7 @@ def scheduled_length(scheduler, table: dict, drafts: tuple, out_len: int, max_ne
 
 def speculative_joint(tables: Tables, rule, scheduler, max_new: int = MAX_NEW) -> tuple[np.ndarray, np.ndarray]:
     """Exact joint of the first K emitted tokens of the speculative process with
-    rule = (accept_probability, residual), and the distribution of the first cycle's ℓ."""
+    rule = (accept_probabilities, residual) of dspark.runtime.sampling or a broken variant, and the distribution of the first cycle's ℓ."""
     accept, resid = rule
     joint = np.zeros((V,) * K)
     first_ell = np.zeros(GAMMA + 1)
@@ -185,9 +185,9 @@ def speculative_joint(tables: Tables, rule, scheduler, max_new: int = MAX_NEW) -
                     for x in range(V):
                         cycle(seq + (x,), mass * p_t[x])
                     break
-                a = accept(p_t, p_d[k], drafts[k])
+                a = accept_probability(p_t, p_d[k], drafts[k], rule=accept)
                 if a < 1.0:  # rejected at slot k+1: one token from the residual, cycle ends
-                    r = resid(p_t, p_d[k])
+                    r = residual(p_t, p_d[k], rule=resid)
                     r = r / r.sum()  # sample_from draws proportionally
                     for x in range(V):
                         cycle(seq + (x,), mass * (1.0 - a) * r[x])
@@ -356,7 +356,7 @@ def test_generate_matches_the_target_distribution(models, tables, sched):
 def test_chi_square_rejects_a_broken_rule(models, tables, broken, monkeypatch):
     """The same test, run on generate() with a broken rule patched in, rejects it."""
     accept, resid = BROKEN[broken]
-    monkeypatch.setattr(sampling, "accept_probability", accept)
+    monkeypatch.setattr(sampling, "accept_probabilities", accept)
     monkeypatch.setattr(sampling, "residual", resid)
     counts, _ = sample_histogram(models, SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
@@ -394,7 +394,7 @@ def test_four_requests_at_once_match_the_target_distribution(models, tables, nam
         f"verified lengths should vary: {np.bincount(lengths)}")
     assert max(b for g in gens for b in g.stats.batch) == R4
     if name == "cost":
-        drafted, cycles = sum(g.stats.drafted for g in gens), sum(g.stats.cycles for g in gens)
+        drafted, cycles = sum(sum(g.stats.drafted) for g in gens), sum(g.stats.cycles for g in gens)
         assert 0.1 * cycles < drafted < 0.9 * cycles, f"{drafted} of {cycles} steps drafted"
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"

@@ -1,7 +1,7 @@
 """The exported bundle served by ONNX Runtime matches the PyTorch reference (tiny random model).
 
 Step level: prefill, verification and drafting rounds of `OrtBackend` against `TorchBackend`
-on the same target and drafter. Loop level: `Engine.generate` against `dspark.runtime.generate`
+on the same target and drafter. Loop level: `Engine.generate` against `dspark.runtime.core`
 on `TorchBackend`, greedy and sampled. Plus the lean runtime without torch, streaming, stop
 strings and the preallocated KV buffers."""
 from __future__ import annotations
@@ -13,13 +13,13 @@ import textwrap
 
 import numpy as np
 import pytest
-from factories import import_blocker, reference_logits
+from factories import import_blocker, reference_logits, step_batch
 
 from dspark.export import TorchBackend
 from dspark.runtime import Engine, FixedLength, SamplingParams, StaticThreshold, generate
 from dspark.runtime.manifest import Manifest
-from dspark.runtime.ort_backend import OrtBackend
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.backends.onnxruntime import OrtBackend
+from dspark.runtime.tools.parity import greedy_match
 
 PROMPT = "Hello there, how are you?"
 PROMPTS = [PROMPT, "What is 17 * 23?", "Tell me a story about a dragon."]
@@ -81,8 +81,8 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
     for round_, a in enumerate(accepted):
         u = rng.random((1, gamma))
         args = (np.array([len(ctx_o)]), np.array([ctx_start]), np.array([anchor]), np.array([temperature]), u)
-        do = ort_be.draft(ctx_o[None], *args)
-        dr = ref_be.draft(ctx_r[None], *args)
+        do = ort_be.draft(step_batch(ctx_o[None], *args))
+        dr = ref_be.draft(step_batch(ctx_r[None], *args))
         where = f"round {round_} (T={temperature})"
         assert do.tokens.tolist() == dr.tokens.tolist(), f"{where}: draft tokens"
         close(do.probs, dr.probs, f"{where}: draft probs")
@@ -111,8 +111,8 @@ def test_int8_drafter_graph(tiny_bundle, manifest, engine):
     _, feats = engine.backend.target(ids[None], np.zeros(1, np.int64))  # [1, n, F]
     u = np.random.default_rng(0).random((1, manifest.drafter.block_size))
     args = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]), np.ones(1), u)
-    d32 = engine.backend.draft(feats, *args)
-    d8 = e8.backend.draft(feats, *args)
+    d32 = engine.backend.draft(step_batch(feats, *args))
+    d8 = e8.backend.draft(step_batch(feats, *args))
     assert float(np.abs(d8.probs - d32.probs).sum(-1).max()) < 0.1  # total variation < 0.05 per slot
     for prompt in PROMPTS:
         alone = engine.generate(prompt, max_new_tokens=40, scheduler="none")
@@ -131,24 +131,23 @@ def test_greedy_drafter_graph(tiny_bundle, manifest, engine, monkeypatch):
     gamma = manifest.drafter.block_size
     u = np.random.default_rng(0).random((2, gamma))
     one = (np.array([len(ids)]), np.zeros(1, np.int64), np.array([5]))
-    greedy = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
+    greedy = be.draft(step_batch(feats, *one, np.zeros(1, np.float32), u[:1]))
     assert greedy.probs is None
     monkeypatch.setattr(be, "_drafter_greedy", None)  # the full graph, its `If` taking the greedy branch
-    full = be.draft(feats, *one, np.zeros(1, np.float32), u[:1])
+    full = be.draft(step_batch(feats, *one, np.zeros(1, np.float32), u[:1]))
     monkeypatch.undo()
     assert greedy.tokens.tolist() == full.tokens.tolist()
     close(greedy.confidence_logits, full.confidence_logits, "confidence logits", tol=1e-5)
 
     two = (np.repeat(feats, 2, 0), np.full(2, len(ids)), np.zeros(2, np.int64), np.array([5, 5]))
     calls = []
-    monkeypatch.setattr(be._drafter_greedy, "run", lambda lo, hi, _run=be._drafter_greedy.run, **kw:
-                        calls.append((lo, hi)) or _run(lo, hi, **kw))
-    both = be.draft(*two, np.zeros(2, np.float32), u)
-    monkeypatch.undo()
-    assert calls == [(0, 2)] and both.probs is None  # one call over both rows
+    be.on_run = lambda event: calls.append((event.graph, len(event.inputs["anchor"])))  # the backend's timing hook
+    both = be.draft(step_batch(*two, np.zeros(2, np.float32), u))
+    be.on_run = None
+    assert calls == [("drafter_ort_greedy.onnx", 2)] and both.probs is None  # one call over both rows
     assert both.tokens.tolist() == [greedy.tokens[0].tolist()] * 2  # the same rows: the same scale
-    mixed = be.draft(*two, np.array([0.0, 1.0], np.float32), u)
-    sampled = be.draft(feats, *one, np.ones(1, np.float32), u[1:])
+    mixed = be.draft(step_batch(*two, np.array([0.0, 1.0], np.float32), u))
+    sampled = be.draft(step_batch(feats, *one, np.ones(1, np.float32), u[1:]))
     assert mixed.tokens[0].tolist() == greedy.tokens[0].tolist()
     assert mixed.tokens[1].tolist() == sampled.tokens[0].tolist()
     close(mixed.probs[1], sampled.probs[0], "sampled row's draft probs", tol=0)
@@ -162,7 +161,7 @@ SCHEDULERS = {"fixed": FixedLength(), "threshold": StaticThreshold(0.5), "none":
 
 def reference_generate(tiny_bundle, manifest, ids, temperature, seed, scheduler, max_new_tokens=40):
     backend = TorchBackend(tiny_bundle.target, tiny_bundle.drafter if scheduler is not None else None, MAX_SEQ)
-    params = SamplingParams(temperature, max_new_tokens, seed, manifest.stop_token_ids)
+    params = SamplingParams(temperature, max_new_tokens, seed, stop_token_ids=manifest.stop_token_ids)
     return generate(backend, ids, params, scheduler)
 
 
@@ -212,7 +211,7 @@ def test_messages_and_raw_prompts(tiny_bundle, engine):
 LEAN = import_blocker("torch", "transformers") + """
 import dspark.runtime
 from dspark.runtime import Engine
-from dspark.runtime.cli import main
+from dspark.runtime.tools.cli import main
 
 engine = Engine.load(sys.argv[1], max_seq=128)
 result = engine.generate("Hello there, how are you?", max_new_tokens=24)
@@ -341,7 +340,7 @@ def _optimized_ops(path, tmp_path) -> list[str]:
     import onnxruntime as ort
 
     from dspark.export.tensorrt_ops import walk_nodes
-    from dspark.runtime.ort_backend import session_options
+    from dspark.runtime.backends.onnxruntime import session_options
 
     so = session_options(None)  # the process's shared pool, as every other session of the tests
     so.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -9,7 +9,7 @@ import pytest
 
 from dspark.runtime import Engine
 from dspark.runtime.calibration import Calibration
-from dspark.runtime.cli import main
+from dspark.runtime.tools.cli import main
 from dspark.runtime.throughput import SpsTable
 
 PROMPTS = ["What is two plus two?", "Name a color.", "Count to five.", "Say hello.", "Why is the sky blue?",

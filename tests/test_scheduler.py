@@ -7,13 +7,14 @@ from collections import deque
 
 import numpy as np
 import pytest
+from rules import accept_probability, residual
 
 from dspark.runtime import (AsyncPrefixScheduler, Calibration, CostModel, PrefixScheduler, Request, SamplingParams,
                             SpsTable, generate_batch)
-from dspark.runtime.backend import Draft
-from dspark.runtime.prefix import admit, capacity, top_k, visit_order
-from dspark.runtime.sampling import accept_probability, residual
-from dspark.runtime.scheduler import History
+from dspark.runtime.backends import Draft, StepBatch, Verdict
+from dspark.runtime.backends.base import verify_on_host
+from dspark.runtime.schedulers.prefix import admit, capacity, top_k, visit_order
+from dspark.runtime.schedulers import History
 
 
 def history(*confidences: np.ndarray, undrafted: int = 0) -> History:
@@ -154,6 +155,7 @@ class ExampleBackend:
     p_d = (0.5, 0.5), c_1 = 0.8 and c_2 = 0.9 after A, 0 after B."""
 
     block_size, vocab_size, max_seq, slots = 2, 2, 64, 1
+    accepts_on_device, drafter_graph, on_run = False, "fp32", None
 
     def prefill(self, slot, tokens, ingest):
         return np.log(P_T), np.zeros((1, 1), np.float32)
@@ -162,10 +164,13 @@ class ExampleBackend:
         B, S = tokens.shape
         return np.broadcast_to(np.log(P_T), (B, S, 2)).copy(), np.zeros((B, S, 1), np.float32)
 
-    def draft(self, features, counts, ctx_starts, anchors, temperatures, uniforms, floors=None):
-        tokens = (uniforms >= 0.5).astype(np.int64)  # inverse CDF of (0.5, 0.5)
+    def draft(self, batch: StepBatch) -> Draft:
+        tokens = (batch.draft_uniforms >= 0.5).astype(np.int64)  # inverse CDF of (0.5, 0.5)
         conf = np.concatenate([example_confidences(int(d[0])) for d in tokens])
         return Draft(tokens, np.full(tokens.shape + (2,), 0.5), conf)
+
+    def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
+        return verify_on_host(self, batch, draft)
 
 
 @pytest.mark.parametrize("early_stop,expected", [(True, 0.7), (False, 0.85)])

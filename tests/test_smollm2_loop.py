@@ -5,7 +5,7 @@ from factories import reference_logits
 from dspark.export import TorchBackend
 from dspark.export.drafter import init_drafter
 from dspark.runtime import FixedLength, SamplingParams, StaticThreshold, generate
-from dspark.runtime.parity import greedy_match
+from dspark.runtime.tools.parity import greedy_match
 
 pytestmark = pytest.mark.slow
 

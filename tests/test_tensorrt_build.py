@@ -12,12 +12,12 @@ import pytest
 import fake_tensorrt
 from factories import import_blocker
 from dspark.runtime import BackendError, BundleError, Engine, InputError
-from dspark.runtime.cli import main
-from dspark.runtime.gpu.cupy_device import GpuInfo
+from dspark.runtime.tools.cli import main
+from dspark.runtime.backends.gpu.cupy_device import GpuInfo
 from dspark.runtime.manifest import Manifest
-from dspark.runtime.trt import build as trt_build
-from dspark.runtime.trt.meta import check_compatible, engine_meta
-from dspark.runtime.trt.profiles import EngineShapes, check_precision, drafter_profiles, profile_index, target_profiles
+from dspark.runtime.backends.tensorrt import build as trt_build
+from dspark.runtime.backends.tensorrt.meta import check_compatible, engine_meta
+from dspark.runtime.backends.tensorrt.profiles import EngineShapes, check_precision, drafter_profiles, profile_index, target_profiles
 
 H200 = GpuInfo("NVIDIA H200 (fake)", (9, 0))
 
@@ -145,8 +145,8 @@ def test_tensorrt_backend_refuses_to_open_here(bundle, fake_trt, capsys, monkeyp
 
 
 LEAN = import_blocker("torch", "tensorrt", "cupy", "polygraphy") + """
-import dspark.runtime.trt.backend, dspark.runtime.trt.build, dspark.runtime.gpu.graph_backend
-import dspark.runtime.gpu.cupy_device, dspark.runtime.validate, dspark.runtime.cli
+import dspark.runtime.backends.tensorrt.backend, dspark.runtime.backends.tensorrt.build, dspark.runtime.backends.gpu.graph_backend
+import dspark.runtime.backends.gpu.cupy_device, dspark.runtime.tools.validate, dspark.runtime.tools.cli
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED) + attempts))
 """
 
@@ -166,8 +166,8 @@ def test_tensorrt_backend_glue_on_the_fake(bundle, fake_trt):
     bucket, input shapes inside the profiles, KV and output binding, chunked prefill, device
     acceptance): greedy and sampled generations equal ONNX Runtime's on the same graphs."""
     from dspark.runtime import FixedLength, SamplingParams, generate
-    from dspark.runtime.ort_backend import OrtBackend
-    from dspark.runtime.trt.backend import tensorrt_backend
+    from dspark.runtime.backends.onnxruntime import OrtBackend
+    from dspark.runtime.backends.tensorrt.backend import tensorrt_backend
 
     trt_build.build_tensorrt(bundle, max_seq=320, prefill_chunk=64, timing_cache=bundle / "t.cache",
                              log=lambda s: None)

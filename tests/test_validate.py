@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from dspark.runtime import InputError
-from dspark.runtime.backend import Draft
-from dspark.runtime.cli import main
+from dspark.runtime.backends import Draft, StepBatch, Verdict
+from dspark.runtime.backends.base import verify_on_host
 from dspark.runtime.manifest import Manifest
-from dspark.runtime.validate import compare, open_backend, validate
+from dspark.runtime.tools.cli import main
+from dspark.runtime.tools.validate import compare, open_any_backend, validate
 
 
 @pytest.mark.parametrize("backend", ["ort-portable", "torch"])
@@ -32,6 +33,7 @@ class Perturbed:
     def __init__(self, inner):
         self.inner, self.block_size, self.vocab_size = inner, inner.block_size, inner.vocab_size
         self.max_seq, self.slots = inner.max_seq, inner.slots
+        self.accepts_on_device, self.drafter_graph, self.on_run = False, inner.drafter_graph, None
 
     def prefill(self, slot, tokens, ingest):
         logits, feats = self.inner.prefill(slot, tokens, ingest)
@@ -41,14 +43,17 @@ class Perturbed:
         logits, feats = self.inner.target(tokens, starts)
         return logits + 0.1, feats
 
-    def draft(self, *args, **kwargs) -> Draft:
-        return self.inner.draft(*args, **kwargs)
+    def draft(self, batch: StepBatch) -> Draft:
+        return self.inner.draft(batch)
+
+    def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
+        return verify_on_host(self, batch, draft)
 
 
 def test_validate_catches_a_wrong_backend(tiny_bundle):
     m = Manifest.load(tiny_bundle.path)
-    ref = open_backend("onnxruntime", tiny_bundle.path, m, 256)
-    bad = Perturbed(open_backend("onnxruntime", tiny_bundle.path, m, 256))
+    ref = open_any_backend("onnxruntime", tiny_bundle.path, m, 256)
+    bad = Perturbed(open_any_backend("onnxruntime", tiny_bundle.path, m, 256))
     v = validate(ref, bad, [[5, 6, 7, 8, 9]], ("onnxruntime", "perturbed"), max_new_tokens=8)
     failed = {c.name for c in v.comparisons if not c.ok}
     assert not v.ok and {"prefill logits", "verify logits"} <= failed
@@ -69,7 +74,7 @@ def test_validate_refuses_bad_requests(tiny_bundle, capsys, tmp_path):
                str(tiny_bundle.target_dir)])  # the untrained default drafter is not the bundle's
     assert rc == 2 and "is not the one bundle" in capsys.readouterr().err
     with pytest.raises(InputError):
-        open_backend("tensorrt-but-typo", tiny_bundle.path, Manifest.load(tiny_bundle.path), None)
+        open_any_backend("tensorrt-but-typo", tiny_bundle.path, Manifest.load(tiny_bundle.path), None)
     import torch
 
     if not torch.cuda.is_available():

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..errors import BackendError, InputError
-from ..manifest import Manifest
+from ...errors import BackendError, InputError
+from ...graph_io import PAST, kv_names
+from ...manifest import Manifest
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
@@ -43,7 +44,7 @@ class EngineShapes:
 
 def _kv(layers: int, heads: int, head_dim: int, s: EngineShapes, batch: tuple[int, int, int]) -> Profile:
     shapes = tuple((b, heads, s.max_seq, head_dim) for b in batch)
-    return {f"past_{kind}_{i}": shapes for kind in ("key", "value") for i in range(layers)}
+    return dict.fromkeys(kv_names(PAST, layers), shapes)
 
 
 def _dims(s: EngineShapes, profile: str) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

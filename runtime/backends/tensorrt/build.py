@@ -14,13 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendError, BundleError
+from ...errors import BackendError, BundleError
 from ..gpu.cupy_device import gpu_info
-from ..manifest import Manifest
+from ...graph_io import PAST
+from ...manifest import Manifest
 from .backend import import_tensorrt
 from .profiles import PROFILE_NAMES, EngineShapes, check_precision, drafter_profiles, target_profiles
 
-KV_PREFIXES = ("past_key_", "past_value_")  # the cache inputs: their shapes are fixed, not worth recording
+KV_PREFIXES = (f"{PAST}_key_", f"{PAST}_value_")  # the cache inputs: their shapes are fixed, not worth recording
 ROLES = ("target", "drafter")  # "target" is the portable graph: target_ort holds ONNX Runtime contrib ops
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import BackendError, BundleError
-from ..manifest import Manifest
+from ...errors import BackendError, BundleError
+from ...manifest import Manifest
 from .profiles import EngineShapes
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..calibration import CALIBRATION_FILE, Calibration
+from ..engine import Engine
+from ..errors import InputError
 from . import sts
-from .calibration import CALIBRATION_FILE, Calibration
-from .engine import Engine
-from .errors import InputError
 from .plots import pyplot
 from .progress import progress
 from .prompts import load_train_prompts

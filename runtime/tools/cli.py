@@ -17,8 +17,9 @@ import json
 import sys
 import warnings
 
-from .errors import DSparkError
-from .schedulers import NAMES
+from ..backends import BACKENDS
+from ..errors import DSparkError
+from ..schedulers import NAMES
 
 EPILOG = """examples:
   dspark export --out engines/smollm2
@@ -39,7 +40,8 @@ EPILOG = """examples:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_device_args(p)
     p.add_argument("--backend", default="onnxruntime",
-                   help="engine backend: onnxruntime (default) or tensorrt (engines from `dspark build`, needs a GPU)")
+                   help=f"engine backend: {', '.join(BACKENDS)} (default onnxruntime; tensorrt runs the engines of "
+                        "`dspark build` and needs a GPU)")
     p.add_argument("--max-seq", type=int, default=None,
                    help="positions preallocated in the KV buffers (default: 2048 or the model's limit)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
@@ -204,7 +206,7 @@ def _device_kwargs(args) -> dict:
 
 
 def _load(args):
-    from .engine import Engine
+    from ..engine import Engine
 
     return Engine.load(args.bundle, max_seq=args.max_seq, backend=args.backend, **_device_kwargs(args))
 
@@ -288,11 +290,12 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
     from pathlib import Path
 
-    from .bench import DATASETS, default_data_dir, run
+    from .bench import DATASETS, run
+    from .prompts import default_bench_dir
 
     datasets = args.datasets if args.datasets is not None else [] if args.prompt_file else list(DATASETS)
     rep = run(args.bundle, args.label, datasets, args.prompts, args.temperatures, args.max_new_tokens,
-              Path(args.data) if args.data else default_data_dir(), Path(args.out), args.threads,
+              Path(args.data) if args.data else default_bench_dir(), Path(args.out), args.threads,
               [Path(f) for f in args.prompt_file], args.skip)
     print(rep["report"]["table"])
     for label, by_temp in rep["cells"].items():
@@ -322,7 +325,7 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from .trt.build import build_tensorrt
+    from ..backends.tensorrt.build import build_tensorrt
 
     meta = build_tensorrt(args.bundle, precision=args.precision, max_seq=args.max_seq, max_batch=args.max_batch,
                           prefill_chunk=args.prefill_chunk, timing_cache=args.timing_cache,
@@ -338,14 +341,14 @@ VALIDATE_PROMPTS = ["What is 17 * 23?", "Write one sentence about the sea."]
 def cmd_validate(args) -> int:
     from pathlib import Path
 
-    from .manifest import Manifest
-    from .tokenizer import ChatTokenizer
-    from .validate import open_backend, validate
+    from ..manifest import Manifest
+    from ..tokenizer import ChatTokenizer
+    from .validate import open_any_backend, validate
 
     bundle = Path(args.bundle)
     manifest = Manifest.load(bundle)
-    candidate = open_backend(args.backend, bundle, manifest, args.max_seq, args.target, args.drafter)
-    reference = open_backend("onnxruntime", bundle, manifest, candidate.max_seq)
+    candidate = open_any_backend(args.backend, bundle, manifest, args.max_seq, args.target, args.drafter)
+    reference = open_any_backend("onnxruntime", bundle, manifest, candidate.max_seq)
     tok = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in args.prompt or VALIDATE_PROMPTS]
     precision = manifest.extra.get("tensorrt", {}).get("precision", "fp32") if args.backend == "tensorrt" else "fp32"

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import warnings
 
-from .calibration import Calibration
-from .errors import InputError
+from ..calibration import Calibration
+from ..errors import InputError
+from ..throughput import CostModel, SpsTable
+from .base import History, Scheduler
 from .prefix import AsyncPrefixScheduler, PrefixScheduler
-from .scheduler import FixedLength, Scheduler, StaticThreshold
-from .throughput import CostModel, SpsTable
+from .static import FixedLength, StaticThreshold
+
+__all__ = ["AsyncPrefixScheduler", "FixedLength", "History", "NAMES", "PrefixScheduler", "Scheduler",
+           "StaticThreshold", "make_scheduler"]
 
 NAMES = ("auto", "none", "fixed", "threshold", "prefix", "async", "cost")
 

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import BackendError, BundleError, InputError
+from ...errors import BackendError, BundleError, InputError
 from ..gpu.buckets import Buckets
 from ..gpu.cupy_device import CupyDevice, GpuInfo
 from ..gpu.device import Device, Outputs
 from ..gpu.graph_backend import GraphBackend, check_slots
-from ..manifest import Manifest
+from ...graph_io import PAST, kv_names
+from ...manifest import Manifest
 from .meta import check_compatible, engine_meta, rebuild_command
 from .profiles import EngineShapes, profile_index
 
@@ -44,7 +45,7 @@ def import_tensorrt():
 
 
 class TrtStep:
-    """One engine as a `dspark.runtime.gpu.graph_backend.Step`."""
+    """One engine as a `backends.gpu.graph_backend.Step`."""
 
     def __init__(self, trt, runtime, engine, device: PointerDevice, shapes: EngineShapes, rows_input: str):
         self.trt, self.engine, self.device, self.shapes = trt, engine, device, shapes
@@ -52,8 +53,7 @@ class TrtStep:
         self.rows_input = rows_input  # the rows of a call: dim 1 of this input
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.kv_names = sorted((n for n in names if n.startswith(("past_key_", "past_value_"))),
-                               key=lambda n: (n.startswith("past_value_"), int(n.rsplit("_", 1)[1])))
+        self.kv_names = kv_names(PAST, sum(n.startswith(f"{PAST}_key_") for n in names))  # keys, then values
         size = getattr(engine, "device_memory_size_v2", None) or engine.device_memory_size
         self.scratch = device.zeros((max(size, 1),), "uint8")
         self.eager: dict[int, Any] = {}  # one context per profile for calls that are not captured

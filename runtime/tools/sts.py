@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .scheduler import sigmoid
+from ..sampling import sigmoid
 
 BINS = 15
 GRID = np.geomspace(0.05, 20.0, 241)  # candidate temperatures

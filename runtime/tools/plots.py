@@ -1,7 +1,7 @@
 """matplotlib, imported only by the commands that draw (it is not a runtime dependency)."""
 from __future__ import annotations
 
-from .errors import DSparkError
+from ..errors import DSparkError
 
 
 def pyplot():

@@ -12,15 +12,19 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import Backend
-from .errors import BackendError, InputError
-from .generate import SamplingParams, generate
-from .manifest import Manifest
+from ..backends import BACKENDS as ENGINE_BACKENDS
+from ..backends import Backend, BackendOptions, StepBatch, open_backend
+from ..backends.tensorrt.profiles import PRECISIONS
+from ..core import generate
+from ..errors import BackendError, InputError
+from ..manifest import Manifest
+from ..request import SamplingParams
+from ..schedulers import FixedLength
 from .parity import GreedyMatch, greedy_match
-from .scheduler import FixedLength
-from .trt.profiles import PRECISIONS
 
-BACKENDS = ("onnxruntime", "ort-portable", "tensorrt", "torch", "torch-cuda-graph")
+TORCH_BACKENDS = ("torch", "torch-cuda-graph")  # the PyTorch reference models, from the export side
+BACKENDS = (*ENGINE_BACKENDS, *TORCH_BACKENDS)
+VALIDATE_MAX_SEQ = 512
 
 
 @dataclass
@@ -90,8 +94,8 @@ def validate(reference: Backend, candidate: Backend, prompts: Sequence[Sequence[
     anchor = int(np.argmax(lr[0, -1]))
     u = np.random.default_rng(seed).random((1, gamma))
     for T in (0.0, 1.0):
-        args = (np.array([n]), zero, np.array([anchor]), np.array([T]), u)  # every prompt row as context
-        dr, dc = reference.draft(fr, *args), candidate.draft(fr, *args)
+        batch = draft_batch(fr, n, anchor, T, u)  # every prompt row as context
+        dr, dc = reference.draft(batch), candidate.draft(batch)
         if dr.probs is not None and dc.probs is not None:  # None at T = 0 from a greedy-only graph, whose
             check(f"draft probs (T={T:g})", dr.probs, dc.probs)  # one-hots the exact token check covers
         check(f"confidence logits (T={T:g})", dr.confidence_logits, dc.confidence_logits)
@@ -101,7 +105,7 @@ def validate(reference: Backend, candidate: Backend, prompts: Sequence[Sequence[
     (lr, fr), (lc, fc) = reference.target(block, zero + n), candidate.target(block, zero + n)
     check("verify logits", lr, lc)
     check("verify features", fr, fc)
-    params = SamplingParams(0.0, max_new_tokens, seed, stop_token_ids)
+    params = SamplingParams(0.0, max_new_tokens, seed, stop_token_ids=stop_token_ids)
     for prompt in prompts:
         ref = generate(reference, prompt, params, FixedLength()).token_ids
         got = generate(candidate, prompt, params, FixedLength()).token_ids
@@ -110,25 +114,32 @@ def validate(reference: Backend, candidate: Backend, prompts: Sequence[Sequence[
     return v
 
 
-def open_backend(name: str, bundle: Path, manifest: Manifest, max_seq: int | None,
-                 target: str | None = None, drafter: str | None = None) -> Backend:
-    """Any backend by name; the PyTorch ones load the models the bundle was exported from."""
+def draft_batch(features: np.ndarray, start: int, anchor: int, temperature: float, u: np.ndarray,
+                floor: int = 0) -> StepBatch:
+    """One request in slot 0 whose drafter has seen nothing: features [1, n, F] of positions
+    start-n..start-1, the anchor at `start`, draft uniforms u [1, γ]."""
+    gamma = u.shape[1]
+    uniforms = np.zeros((1, 2 * gamma + 1))
+    uniforms[:, :gamma] = u
+    return StepBatch(features, np.array([features.shape[1]]), np.array([floor]), np.array([start]),
+                     np.array([anchor]), np.array([temperature]), uniforms, np.zeros(1, np.int64))
+
+
+def open_any_backend(name: str, bundle: Path, manifest: Manifest, max_seq: int | None,
+                     target: str | None = None, drafter: str | None = None) -> Backend:
+    """An engine backend from the registry, or a PyTorch reference backend loaded from the models the
+    bundle was exported from. ONNX Runtime drafts with the exported fp32 drafter here: the int8 one
+    (the CPU default) proposes from another distribution by design."""
     if name not in BACKENDS:
         raise InputError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name == "tensorrt":
-        from .trt.backend import tensorrt_backend
-
-        return tensorrt_backend(bundle, manifest, max_seq)
-    max_seq = max_seq or min(512, manifest.target.max_position_embeddings)
-    if name in ("onnxruntime", "ort-portable"):
-        from .ort_backend import OrtBackend
-
-        # the exported fp32 drafter: the int8 one (the CPU default) proposes from another distribution by design
-        return OrtBackend(bundle, manifest, max_seq, target_graph="portable" if name == "ort-portable" else "auto",
-                          drafter_graph="fp32")
+    if name in ENGINE_BACKENDS:
+        if name != "tensorrt":
+            max_seq = max_seq or min(VALIDATE_MAX_SEQ, manifest.target.max_position_embeddings)
+        return open_backend(name, bundle, manifest, BackendOptions(max_seq=max_seq, drafter_graph="fp32"))
     try:
         from dspark.export.backends import torch_backend
     except ImportError as e:
         raise BackendError(f"backend {name} runs the PyTorch reference models: it needs the export extra "
                            f"(pip install 'dspark-trt[export]'): {e}") from e
-    return torch_backend(name, manifest, max_seq, target, drafter)
+    return torch_backend(name, manifest, max_seq or min(VALIDATE_MAX_SEQ, manifest.target.max_position_embeddings),
+                         target, drafter)

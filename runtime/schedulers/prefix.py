@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import Calibration
-from .scheduler import History
-from .throughput import CostModel
+from ..calibration import Calibration
+from ..throughput import CostModel
+from .base import History
 
 
 def visit_order(a: np.ndarray) -> np.ndarray:

@@ -3,34 +3,30 @@ preallocated at load time, through IOBinding (the caches are bound once, zero-co
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from .backend import Draft
-from .errors import BundleError, InputError
-from .kv import KVBuffers, row_mask
-from .manifest import Manifest
+from ..errors import BundleError, InputError
+from ..graph_io import CTX, NEW, PAST, PRESENT, kv_names
+from ..kv import KVBuffers, row_mask
+from ..manifest import Manifest
+from .base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Rows at temperature > 0: the int8 drafter graph drafts one call per busy row (see
 # `OrtBackend.draft`), the fp32 graph one call for all rows; `drafter_graph="auto"` takes int8 up to
-# this many slots and fp32 above. (Calls whose rows are all greedy take neither: they run the
-# greedy-only int8 graph over every row in one call.)
-# Chosen from `dspark profile --max-slots 32 --repeats 7` on SmolLM2, the 2-core VM, 2026-12-02
-# 15:27 UTC, ms per pass at R = 1 / 2 / 3 / 4 / 16 busy rows: int8 3.8 / 7.7 / 10.9 / 14.0 / 54.1,
-# fp32 7.1 / 9.0 / 10.4 / 11.3 / 30.2. Since the sequential stage is int8 too (15:59 UTC profile):
-# int8 3.1 / 5.9 / 8.7 / 11.2 / 42.9, fp32 7.1 / 8.7 / 10.3 / 11.4 / 30.1, so 3 slots would now
-# be the better threshold (not changed: the benchmarks in the README ran with 2).
+# this many slots and fp32 above, where one batched fp32 call costs less than int8 row by row
+# (docs/results.md has the profile it was chosen from). Calls whose rows are all greedy take
+# neither: they run the greedy-only int8 graph over every row in one call.
 INT8_MAX_SLOTS = 2
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
     """The target and drafter run one after the other, never at once. Two per-session pools
-    would spin against each other on a small machine (measured here: a draft+verify cycle
-    took 85 ms with two spinning pools, 47 ms with spinning off, 36 ms with one shared pool),
-    so every session of the process uses ONNX Runtime's global intra-op pool, sized by the
+    would spin against each other on a small machine (docs/results.md), so every session of the process uses ONNX Runtime's global intra-op pool, sized by the
     first engine loaded (`threads`, default: every core); later sizes are ignored."""
     try:
         ort.capi._pybind_state.set_global_thread_pool_sizes(threads or os.cpu_count() or 1, 1)
@@ -60,14 +56,14 @@ class _Graph:
         self._check_shapes(path, kv, expect)
         self.kv, self.past_names = kv, past_names
         self.names = [o.name for o in self.session.get_outputs()]
-        self.outputs = [n for n in self.names if not n.startswith("present_")]  # fetched each run
+        self.outputs = [n for n in self.names if not n.startswith(PRESENT)]  # fetched each run
         self.bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def _check_shapes(self, path: Path, kv: KVBuffers, expect: dict[str, dict[int, int]]) -> None:
         """The graph must be the model the manifest describes: same number of layers, same
         inputs, and the static sizes in `expect` ({input or output name: {axis: size}})."""
         io = {t.name: t.shape for t in [*self.session.get_inputs(), *self.session.get_outputs()]}
-        graph_layers = sum(1 for n in io if n.startswith("past_key_"))
+        graph_layers = sum(1 for n in io if n.startswith(f"{PAST}_key_"))
         if graph_layers != len(kv.keys):
             raise BundleError(f"{path} has {graph_layers} layers of KV inputs, the manifest says {len(kv.keys)}: "
                               f"the graph belongs to another model; re-export the bundle")
@@ -89,23 +85,30 @@ class _Graph:
             for name, buf in zip(self.past_names, self.kv.arrays):
                 value = ort.OrtValue.ortvalue_from_numpy(buf[lo:hi])  # a view: no copy on CPU
                 binding.bind_ortvalue_input(name, value)
-                if name.replace("past_", "present_") in self.names:
-                    binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+                present = name.replace(PAST, PRESENT, 1)
+                if present in self.names:
+                    binding.bind_ortvalue_output(present, value)
             self.bindings[lo, hi] = binding
         return self.bindings[lo, hi]
 
-    def run(self, lo: int, hi: int, **inputs: np.ndarray) -> list[np.ndarray]:
+    def run(self, lo: int, hi: int, kind: str, hook: RunHook | None, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        """One session run over slots [lo, hi); `hook` (if any) gets its RunEvent of `kind`."""
         binding = self._binding(lo, hi)
         for name, value in inputs.items():
             binding.bind_cpu_input(name, value)
         for name in self.outputs:
             binding.bind_output(name, "cpu")
+        t0 = time.perf_counter()
         self.session.run_with_iobinding(binding)
-        return [v.numpy() for v in binding.get_outputs()[:len(self.outputs)]]
+        if hook is not None:
+            hook(RunEvent(kind, self.path.name, time.perf_counter() - t0, inputs))
+        return dict(zip(self.outputs, (v.numpy() for v in binding.get_outputs()[:len(self.outputs)])))
 
 
 class OrtBackend:
-    """A `dspark.runtime.backend.Backend` over a bundle's ONNX graphs, `slots` requests at once."""
+    """A `Backend` (backends/base.py) over a bundle's ONNX graphs, `slots` requests at once."""
+
+    accepts_on_device = False  # the acceptance rule runs on the host (sampling.accept over numpy)
 
     def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
                  threads: int | None = None, speculative: bool = True, target_graph: str = "auto",
@@ -137,6 +140,7 @@ class OrtBackend:
             raise BundleError(f"bundle {bundle} has no ONNX Runtime target graph (target_ort); re-run `dspark export`")
         if slots < 1:
             raise InputError(f"slots is {slots}, expected >= 1 (requests served at once)")
+        self.on_run: RunHook | None = None
         self.in_place = "target_ort" in manifest.graphs and (
             target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
         t, d = manifest.target, manifest.drafter
@@ -146,9 +150,9 @@ class OrtBackend:
         self.max_seq = max_seq
         self.slots = slots
         self.target_kv = KVBuffers(L, slots, t.num_kv_heads, max_seq, t.head_dim)
-        names = [f"past_key_{i}" for i in range(L)] + [f"past_value_{i}" for i in range(L)]
-        kv_shape = {1: t.num_kv_heads, 3: t.head_dim}
-        expect = {names[0]: kv_shape, "logits": {2: t.vocab_size}, "features": {2: d.feature_dim}}
+        names = kv_names(PAST, L)
+        expect = {names[0]: {1: t.num_kv_heads, 3: t.head_dim}, "logits": {2: t.vocab_size},
+                  "features": {2: d.feature_dim}}
         graph = manifest.graphs["target_ort" if self.in_place else "target"]
         self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names, expect)
         # ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens per row
@@ -163,7 +167,7 @@ class OrtBackend:
         self.drafter_int8 = False
         if speculative:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
-            names = [f"past_key_{i}" for i in range(d.num_layers)] + [f"past_value_{i}" for i in range(d.num_layers)]
+            names = kv_names(PAST, d.num_layers)
             self.drafter_int8 = "drafter_ort" in manifest.graphs and (
                 drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu" and slots <= INT8_MAX_SLOTS))
             drafter = "drafter_ort" if self.drafter_int8 else "drafter"
@@ -176,11 +180,8 @@ class OrtBackend:
                     drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu")):
                 self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], PROVIDERS[provider],
                                               threads, self.draft_kv, names, expect)
-
-    @property
-    def greedy_graph(self) -> bool:
-        """Whether calls whose rows are all greedy run the greedy-only int8 graph."""
-        return self._drafter_greedy is not None
+        # the SPS table's drafter cost of what greedy rows run (what `dspark profile` measures)
+        self.drafter_graph = "int8-greedy" if self._drafter_greedy else "int8" if self.drafter_int8 else "fp32"
 
     def _greedy_call(self, temperatures: np.ndarray) -> bool:
         return self._drafter_greedy is not None and not np.any(temperatures)
@@ -188,49 +189,50 @@ class OrtBackend:
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         n = len(tokens)
         logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], np.zeros(1, np.int64),
-                                            np.array([[n - 1]], np.int64))
+                                            np.array([[n - 1]], np.int64), "prefill")
         if not ingest:
             return logits[0, 0], features[0]
         if n > 1:  # context rows 0..n-2; the block drafted here is discarded
             zero = np.zeros(1, np.int64)
             self._run_draft(slot, features[:, :n - 1], np.array([n - 1]), zero, zero, zero,
-                            np.zeros(1, np.float32), np.zeros((1, self.block_size)))
+                            np.zeros(1, np.float32), np.zeros((1, self.block_size)), kind="prefill")
         return logits[0, 0], features[0, n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         B, S = tokens.shape
-        return self._run_target(0, tokens, starts, np.tile(np.arange(S, dtype=np.int64), (B, 1)))
+        return self._run_target(0, tokens, starts, np.tile(np.arange(S, dtype=np.int64), (B, 1)), "target")
 
-    def _run_target(self, lo: int, tokens: np.ndarray, starts: np.ndarray,
-                    logit_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
+        return verify_on_host(self, batch, draft)
+
+    def _run_target(self, lo: int, tokens: np.ndarray, starts: np.ndarray, logit_index: np.ndarray,
+                    kind: str) -> tuple[np.ndarray, np.ndarray]:
         """tokens [B, S] for slots lo..lo+B-1 -> logits [B, K, V] of the rows logit_index [B, K], features [B, S, F]."""
         B, S = tokens.shape
         if self.in_place and (B == 1 or S == 1):  # writes K/V rows start..start+S-1 of each slot in place
-            return self._target.run(
-                lo, lo + B, input_ids=tokens, logit_index=logit_index,
+            out = self._target.run(
+                lo, lo + B, kind, self.on_run, input_ids=tokens, logit_index=logit_index,
                 seqlens_k=(starts + S - 1).astype(np.int32),  # [B] last position written
                 total_len=np.array(starts.max() + S, np.int32),
             )
-        logits, features, *new_kv = self._target_batch.run(
-            lo, lo + B, input_ids=tokens, logit_index=logit_index,
+            return out["logits"], out["features"]
+        out = self._target_batch.run(
+            lo, lo + B, kind, self.on_run, input_ids=tokens, logit_index=logit_index,
             positions=starts[:, None] + np.arange(S, dtype=np.int64),  # [B, S]
             past_mask=row_mask(starts),  # [B, max(starts)]
         )
-        self.target_kv.write(new_kv, starts, lo)
-        return logits, features
+        self.target_kv.write([v for k, v in out.items() if k.startswith(f"{NEW}_")], starts, lo)
+        return out["logits"], out["features"]
 
-    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
-        floors = np.zeros_like(ctx_starts) if floors is None else floors
-        if not self.drafter_int8 or len(counts) == 1 or self._greedy_call(temperatures):
-            return self._run_draft(0, features, counts, ctx_starts, floors, anchors, temperatures, uniforms)
+    def draft(self, batch: StepBatch) -> Draft:
+        counts, temps, u = batch.counts, batch.temperatures, batch.draft_uniforms
+        args = (batch.features, counts, batch.ctx_starts, batch.floors, batch.anchors, temps, u)
+        if not self.drafter_int8 or len(counts) == 1 or self._greedy_call(temps):
+            return self._run_draft(0, *args)
         # The int8 graph quantizes activations with one scale per call, so one call over several
         # rows would make a sampled request's proposals depend on its neighbours: each busy row
         # drafts alone, exactly as in a solo run; dummy rows (counts 0) are skipped and left zero.
-        busy = [int(r) for r in np.flatnonzero(counts)]
-        rows = {r: self._run_draft(r, features[r:r + 1, :counts[r]], counts[r:r + 1], ctx_starts[r:r + 1],
-                                   floors[r:r + 1], anchors[r:r + 1], temperatures[r:r + 1], uniforms[r:r + 1])
-                for r in busy}
+        rows = {int(r): self._run_draft(int(r), *(a[r:r + 1] for a in args)) for r in np.flatnonzero(counts)}
         B, gamma = len(counts), self.block_size
         tokens, conf = np.zeros((B, gamma), np.int64), np.zeros((B, gamma), np.float32)  # [B, γ]
         sampled = [r for r, d in rows.items() if d.probs is not None]
@@ -242,21 +244,23 @@ class OrtBackend:
         return Draft(tokens, probs, conf)
 
     def _run_draft(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
-                   floors: np.ndarray, anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Draft:
-        B, n, _ = features.shape
+                   floors: np.ndarray, anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray,
+                   kind: str = "drafter") -> Draft:
+        n = int(counts.max())
+        B = len(counts)
         starts = ctx_starts + counts  # [B] block positions start..start+γ-1
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
                                    axis=1)  # [B, n+γ]
         graph = self._drafter_greedy if self._greedy_call(temperatures) else self._drafter
-        out = dict(zip(graph.outputs, graph.run(
-            lo, lo + B,
-            features=np.ascontiguousarray(features, np.float32),  # [B, n, F]
+        out = graph.run(
+            lo, lo + B, kind, self.on_run,
+            features=np.ascontiguousarray(features[:, :n], np.float32),  # [B, n, F]
             positions=positions.astype(np.int64),
             anchor=np.asarray(anchors, np.int64),
             temperature=np.asarray(temperatures, np.float32),
             uniforms=np.asarray(uniforms, np.float32),  # [B, γ]
             past_mask=row_mask(ctx_starts, floors=floors),  # [B, max(ctx_starts)]
             ctx_mask=row_mask(counts, n),  # [B, n]
-        )))
-        self.draft_kv.write([out[k] for k in graph.outputs if k.startswith("ctx_")], ctx_starts, lo)
+        )
+        self.draft_kv.write([v for k, v in out.items() if k.startswith(f"{CTX}_")], ctx_starts, lo)
         return Draft(out["draft_tokens"], out.get("draft_probs"), out["confidence_logits"])

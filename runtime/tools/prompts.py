@@ -1,6 +1,10 @@
-"""Training prompts, read without torch (the runtime's `dspark calibrate` needs them too):
-`../shared/data/train` (GSM8K questions; alpaca seed instructions + their first input).
-Anything under a `bench` directory is refused: those are evaluation prompts."""
+"""Prompt files, read without torch: the one loader of the commands, the benchmark scripts and
+the drafter recipe.
+
+Benchmark sets (`../shared/data/bench/*.jsonl`, records {"turns": [...]}) are read by
+`read_prompt_file` / `bench_prompts`. Training prompts (`../shared/data/train`: GSM8K questions;
+alpaca seed instructions + their first input; our own {text}) by `load_train_prompts`, which
+refuses anything under a `bench` directory: those are evaluation prompts."""
 from __future__ import annotations
 
 import json
@@ -8,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import DSparkError
+from ..errors import DSparkError, InputError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRAIN_DIR = PROJECT_ROOT.parent / "shared" / "data" / "train"
 DEFAULT_TRAIN_FILES = ("gsm8k-train.jsonl", "alpaca-seed-tasks.jsonl")
 
@@ -104,3 +108,47 @@ def load_train_prompts(paths: Sequence[str | Path] | None = None, limit: int | N
     if not out:
         raise DataError(f"no training prompts in {[str(p) for p in paths]}" + (f" after skipping {skip}" if skip else ""))
     return out
+
+
+def default_bench_dir() -> Path:
+    """../shared/data/bench beside the project checkout (or beside the working directory)."""
+    for root in (PROJECT_ROOT, Path.cwd()):
+        cand = root.parent / "shared" / "data" / "bench"
+        if cand.is_dir():
+            return cand
+    return Path("../shared/data/bench")
+
+
+def read_prompt_file(path: Path, n: int, skip: int = 0) -> list[str]:
+    """The first turn of records skip..skip+n-1 of a JSON Lines file: benchmark records
+    ({"turns": [...]}) or training records (GSM8K `question`, alpaca `instruction`, our own
+    `text`; the user message only, never an answer)."""
+    out = []
+    for no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            text = rec["turns"][0] if "turns" in rec else prompt_of(rec)
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
+            text = None
+        if not isinstance(text, str) or not text:
+            raise InputError(f"{path}:{no}: expected a JSON object with a 'turns' list (or a training record with "
+                             "a 'question', 'instruction' or 'text')")
+        if skip:
+            skip -= 1
+            continue
+        out.append(text)
+        if len(out) == n:
+            break
+    if not out:
+        raise InputError(f"{path}: no prompts left after skipping the first records")
+    return out
+
+
+def bench_prompts(name: str, n: int, skip: int = 0, data_dir: Path | None = None) -> list[str]:
+    """The first turn of records skip..skip+n-1 of the benchmark set `data_dir/name.jsonl`."""
+    path = (data_dir or default_bench_dir()) / f"{name}.jsonl"
+    if not path.exists():
+        raise InputError(f"{path}: no such benchmark file (--data sets the folder)")
+    return read_prompt_file(path, n, skip)

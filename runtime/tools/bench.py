@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 from .progress import progress
-from .prompts import prompt_of
+from .prompts import bench_prompts, read_prompt_file
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 # name -> domain, in the paper's column order
 DATASETS = {"gsm8k": "math", "math500": "math", "humaneval": "code", "mbpp": "code",
@@ -35,50 +35,6 @@ DATASETS = {"gsm8k": "math", "math500": "math", "humaneval": "code", "mbpp": "co
 DOMAINS = ("math", "code", "chat")
 OTHER = "other"  # prompt files that are not benchmark sets
 LOOP_WINDOW = 16  # a token is inside a repetition loop when the 16 tokens ending at it occurred before
-
-
-def default_data_dir() -> Path:
-    """../shared/data/bench beside the project checkout (or beside the working directory)."""
-    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        cand = root.parent / "shared" / "data" / "bench"
-        if cand.is_dir():
-            return cand
-    return Path("../shared/data/bench")
-
-
-def read_set(path: Path, n: int, skip: int = 0) -> list[str]:
-    """The first turn of records skip..skip+n-1 of a JSON Lines file: benchmark records
-    ({"turns": [...]}) or training records (GSM8K `question`, alpaca `instruction`, our own
-    `text`; the user message only, never an answer)."""
-    out = []
-    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            text = rec["turns"][0] if "turns" in rec else prompt_of(rec)
-        except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError):
-            text = None
-        if not isinstance(text, str) or not text:
-            raise InputError(f"{path}:{no}: expected a JSON object with a 'turns' list (or a training record with "
-                             "a 'question', 'instruction' or 'text')")
-        if skip:
-            skip -= 1
-            continue
-        out.append(text)
-        if len(out) == n:
-            break
-    if not out:
-        raise InputError(f"{path}: no prompts left after skipping the first records")
-    return out
-
-
-def read_prompts(data_dir: Path, name: str, n: int, skip: int = 0) -> list[str]:
-    """The first turn of records skip..skip+n-1 of the benchmark set `data_dir/name.jsonl`."""
-    path = data_dir / f"{name}.jsonl"
-    if not path.exists():
-        raise InputError(f"{path}: no such benchmark file (datasets: {', '.join(DATASETS)}; --data sets the folder)")
-    return read_set(path, n, skip)
 
 
 def load_sets(datasets: Sequence[str], data_dir: Path, files: Sequence[Path], n: int, skip: int = 0
@@ -90,14 +46,14 @@ def load_sets(datasets: Sequence[str], data_dir: Path, files: Sequence[Path], n:
         raise InputError(f"unknown dataset(s) {unknown}; choose from {', '.join(DATASETS)}")
     if n < 1 or skip < 0:
         raise InputError(f"need --prompts >= 1 and --skip >= 0 (got {n}, {skip})")
-    sets = {name: read_prompts(data_dir, name, n, skip) for name in datasets}
+    sets = {name: bench_prompts(name, n, skip, data_dir) for name in datasets}
     for f in files:
         name = f.name.removesuffix(".jsonl")
         if name in sets:
             raise InputError(f"two prompt sets are named {name!r}; rename the file {f}")
         if not f.is_file():
             raise InputError(f"{f}: no such file")
-        sets[name] = read_set(f, n, skip)
+        sets[name] = read_prompt_file(f, n, skip)
     if not sets:
         raise InputError("no prompt sets: give --datasets or --prompt-file")
     return sets
@@ -250,7 +206,7 @@ def run(bundles: Sequence[str], labels: Sequence[str] | None, datasets: Sequence
         threads: int | None = None, prompt_files: Sequence[Path] = (), skip: int = 0) -> dict:
     if labels and len(labels) != len(bundles):
         raise InputError(f"{len(labels)} --label for {len(bundles)} --bundle")
-    from .engine import Engine
+    from ..engine import Engine
 
     prompts = load_sets(datasets, data_dir, prompt_files, n_prompts, skip)  # bad files fail before loading
     datasets = list(prompts)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BackendError
+from ...errors import BackendError
 from .device import Outputs
 
 # cache [B, H, S_max, D][b, h, positions[b, s], d] = rows [B, H, n, D][b, h, s, d]; one thread per element
@@ -51,7 +51,7 @@ def gpu_info() -> GpuInfo:
 
 
 class CupyDevice:
-    """`dspark.runtime.gpu.device.Device` on the current CUDA device."""
+    """`backends.gpu.device.Device` on the current CUDA device."""
 
     def __init__(self):
         self.cp = cp = import_cupy()

@@ -15,13 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine import Engine
-from .errors import InputError
-from .generate import Request, SamplingParams, generate_batch
-from .manifest import Manifest
+from ..backends import RunTimer, StepBatch
+from ..core import Request, generate_batch
+from ..engine import Engine
+from ..errors import InputError
+from ..manifest import Manifest
+from ..request import SamplingParams
+from ..schedulers import FixedLength
+from ..throughput import SPS_FILE, SpsTable
 from .plots import pyplot
-from .scheduler import FixedLength
-from .throughput import SPS_FILE, SpsTable, drafter_graph_of
 
 ROW_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DRAFT_CONTEXT_ROWS = 2  # new context rows per request in a typical drafting round (a + 1)
@@ -115,24 +117,26 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
         be.prefill(slot, rng.integers(0, V, cfg.context), True)
 
     rows = sorted({r for r in ROW_GRID if r <= cfg.max_slots} | {cfg.max_slots})
-    own = drafter_graph_of(be)
+    own = be.drafter_graph
     drafters = {own: be}
     if own != "int8-greedy" and "drafter_ort" in manifest.graphs and engine_kwargs.get("provider", "cpu") == "cpu":
         # an engine with fewer slots may run the other drafter graph (OrtBackend, INT8_MAX_SLOTS);
         # at T = 0 every CPU engine runs the greedy-only graph, when the bundle has it
         other = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False,
                             **{**engine_kwargs, "drafter_graph": "fp32" if own == "int8" else "int8"}).backend
-        drafters[drafter_graph_of(other)] = other
+        drafters[other.drafter_graph] = other
     calls = {}
     for R in rows:
         starts = np.full(R, cfg.context, np.int64)
         for S in range(1, s_max + 1):
             calls["verify", R, S] = lambda t=rng.integers(0, V, (R, S)), st=starts: be.target(t, st)
-        feats = np.zeros((R, DRAFT_CONTEXT_ROWS, manifest.drafter.feature_dim), np.float32)
-        counts = np.full(R, DRAFT_CONTEXT_ROWS)  # each row ingests a typical round's new context rows
+        batch = StepBatch(  # each row ingests a typical round's new context rows, greedy
+            features=np.zeros((R, DRAFT_CONTEXT_ROWS, manifest.drafter.feature_dim), np.float32),
+            counts=np.full(R, DRAFT_CONTEXT_ROWS), floors=np.zeros(R, np.int64), starts=starts,
+            anchors=np.zeros(R, np.int64), temperatures=np.zeros(R), uniforms=np.zeros((R, 2 * gamma + 1)),
+            lengths=np.zeros(R, np.int64))
         for graph, b in drafters.items():
-            calls[graph, R] = lambda b=b, f=feats, c=counts, st=starts, R=R: b.draft(
-                f, c, st - c, np.zeros(R, np.int64), np.zeros(R, np.float32), np.zeros((R, gamma)))
+            calls[graph, R] = lambda b=b, batch=batch: b.draft(batch)
     seconds = _interleaved_medians(calls, cfg.repeats)
     step = _fill_rows({R: np.array([seconds["verify", R, S] for S in range(1, s_max + 1)]) for R in rows},
                       cfg.max_slots)  # [R_max, S_max] seconds
@@ -162,17 +166,22 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
 
 
 def phase_breakdown(be, R: int, cfg: ProfileConfig, rng: np.random.Generator) -> dict[str, float]:
-    """ms per cycle of R random-prompt requests decoded at once, verifying all γ drafts."""
+    """ms per cycle of R random-prompt requests decoded at once, verifying all γ drafts: inside the
+    drafter's and the target's runs (the backend's timing hook), and the rest of the loop."""
     V = be.vocab_size
     requests = [Request(rng.integers(0, V, cfg.context).tolist(), SamplingParams(0.0, cfg.breakdown_tokens))
                 for _ in range(R)]
-    t0 = time.perf_counter()
-    gens = generate_batch(be, requests, FixedLength())
-    wall = time.perf_counter() - t0
+    timer = be.on_run = RunTimer()
+    try:
+        t0 = time.perf_counter()
+        gens = generate_batch(be, requests, FixedLength())
+        wall = time.perf_counter() - t0
+    finally:
+        be.on_run = None
     s = gens[0].stats  # every request sits in every step: they share one timeline
     cycles = max(s.cycles, 1)
     prefill = sum(g.stats.times["prefill"] for g in gens)
-    per = {"draft": s.times["draft"], "verify": s.times["verify"]}
+    per = {"draft": timer.seconds["drafter"], "verify": timer.seconds["target"]}
     per["loop"] = wall - prefill - per["draft"] - per["verify"]
     return {k: 1000.0 * v / cycles for k, v in per.items()} | {"cycles": s.cycles}
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError
-from ..kv import MASKED
+from ...errors import InputError
+from ...kv import MASKED
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A `Backend` (runtime/backend.py) over two engine steps on one device, for any engine:
+"""A `Backend` (backends/base.py) over two engine steps on one device, for any engine:
 the KV caches and static inputs live here, each call is rounded to a shape bucket, and calls
 of up to γ+1 rows are captured once per bucket as a CUDA graph and replayed after that.
 Lengths reach the graphs as device data (positions, past_mask, logit_index), never as
@@ -8,16 +8,18 @@ Batch 1: one request slot (slots=1). Concurrent requests (slots > 1, the loop's 
 are not ported to this layer yet: asking for them raises a BackendError."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..backend import Draft
-from ..config import DrafterConfig, TargetConfig
-from ..errors import BackendError, InputError
-from .accept import accept
+from ...config import DrafterConfig, TargetConfig
+from ...errors import BackendError, InputError
+from ...graph_io import CTX, NEW, kv_names
+from ...sampling import accept
+from ..base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
 from .buckets import Buckets, past_mask
 from .device import Device, Outputs
 
@@ -75,13 +77,12 @@ class StepRunner:
             d.upload(inputs[name], a)
         launch = self.step.prepare(inputs, self.kv, graphed)
         positions = inputs["positions"]
-        L = self.layers
+        names = kv_names(self.prefix, self.layers)
 
         def body() -> Outputs:
             out = launch()
-            for i in range(L):
-                d.write_rows(self.kv[i], out[f"{self.prefix}_key_{i}"], positions)
-                d.write_rows(self.kv[L + i], out[f"{self.prefix}_value_{i}"], positions)
+            for cache, name in zip(self.kv, names):
+                d.write_rows(cache, out[name], positions)
             return out
 
         if graphed:
@@ -114,27 +115,30 @@ class GraphBackend:
     """`Backend` over a target step and an optional drafter step (None: the target alone), for
     one request slot."""
 
+    drafter_graph = "fp32"  # the exported drafter graph, the same for every row
+
     def __init__(self, device: Device, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None,
                  target_step: Step, drafter_step: Step | None, buckets: Buckets, graphs: bool = True,
                  kv_dtype: np.dtype = np.dtype(np.float32), device_acceptance: bool = True, slots: int = 1):
-        """device_acceptance: the loop verifies through `verify_on_device` (the acceptance rule runs
-        next to the logits, runtime/gpu/accept.py) and drafts keep their distributions on the device."""
+        """device_acceptance: verify() runs the acceptance rule next to the logits (sampling.accept
+        over the device's array module) and drafts keep their distributions on the device."""
         check_slots(slots)
         t = target_cfg
         self.device, self.buckets = device, buckets
         self.accepts_on_device = device_acceptance
+        self.on_run: RunHook | None = None
         self._draft_out: Outputs | None = None  # the last drafting round's outputs, on the device
         self.vocab_size, self.max_seq, self.slots = t.vocab_size, buckets.max_seq, slots
         self.block_size = drafter_cfg.block_size if drafter_step is not None else 0
         if drafter_step is not None and buckets.max_query < self.block_size + 1:
             raise InputError(f"buckets.max_query is {buckets.max_query}, the drafter needs γ+1 = {self.block_size + 1}")
         kv_t = [device.zeros((1, t.num_kv_heads, buckets.max_seq, t.head_dim), kv_dtype) for _ in range(2 * t.num_layers)]
-        self._target = StepRunner(device, target_step, kv_t, "new", t.num_layers, graphs)
+        self._target = StepRunner(device, target_step, kv_t, NEW, t.num_layers, graphs)
         self._drafter = None
         if drafter_step is not None:
             c = drafter_cfg
             kv_d = [device.zeros((1, c.num_kv_heads, buckets.max_seq, c.head_dim), kv_dtype) for _ in range(2 * c.num_layers)]
-            self._drafter = StepRunner(device, drafter_step, kv_d, "ctx", c.num_layers, graphs)
+            self._drafter = StepRunner(device, drafter_step, kv_d, CTX, c.num_layers, graphs)
 
     @property
     def stats(self) -> dict[str, GraphStats]:
@@ -143,20 +147,31 @@ class GraphBackend:
             out["drafter"] = self._drafter.stats
         return out
 
+    def _timed(self, kind: str, graph: str, t0: float, inputs: dict[str, np.ndarray]) -> None:
+        """The hook's event for a call that began at t0 and has read its outputs back (so the device is done)."""
+        if self.on_run is not None:
+            self.on_run(RunEvent(kind, graph, time.perf_counter() - t0, inputs))
+
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         _check_rows(slot + 1)
         tokens = np.asarray(tokens, np.int64)
         n = len(tokens)
+        t0 = time.perf_counter()
         logits, feats = self._target_rows(tokens, 0, 1)  # [1, V], [n, F]
+        self._timed("prefill", "target", t0, {"input_ids": tokens[None]})
         if not ingest:
             return logits[0], feats
         if n > 1:  # context rows 0..n-2; the block drafted here is discarded
-            self._draft_rows(feats[:n - 1], 0, 0, 0, 0.0, np.zeros(self.block_size))
+            t0 = time.perf_counter()
+            self.device.download(self._draft_rows(feats[:n - 1], 0, 0, 0, 0.0, np.zeros(self.block_size))["draft_tokens"])
+            self._timed("prefill", "drafter", t0, {"features": feats[None, :n - 1]})
         return logits[0], feats[n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         _check_rows(len(tokens))
+        t0 = time.perf_counter()
         logits, feats = self._target_rows(np.asarray(tokens[0], np.int64), int(starts[0]), tokens.shape[1])
+        self._timed("target", "target", t0, {"input_ids": tokens})
         return logits[None], feats[None]  # [1, S, V], [1, S, F]
 
     def _target_rows(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,34 +200,38 @@ class GraphBackend:
         }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
         return out, len(rows) > 0
 
-    def verify_on_device(self, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, temperatures: np.ndarray,
-                         uniforms: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Verify [anchor, d_1..d_ℓ] (tokens [1, S], ℓ = lengths[0] <= S-1) against the last drafting
-        round: the target step, then the acceptance rule on the device. Only (a, token) [1] each and
-        the features [1, S, F] come back; uniforms [1, γ+1] are the acceptance draws, then the emitted one's."""
-        _check_rows(len(tokens))
-        row, start, ell = np.asarray(tokens[0], np.int64), int(starts[0]), int(lengths[0])
+    def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
+        """The target over [anchor, d_1..d_ℓ] (tokens [1, S], ℓ = lengths[0] <= S-1), then the acceptance
+        rule against the last drafting round: on the device with `accepts_on_device` (only (a, token)
+        and the features come back), else on the host."""
+        if not self.accepts_on_device:
+            return verify_on_host(self, batch, draft)
+        _check_rows(len(batch.tokens))
+        row, start = np.asarray(batch.tokens[0], np.int64), int(batch.starts[0])
         S = len(row)
-        if self._draft_out is None or not ell < S <= self.buckets.max_query or start + S > self.max_seq:
-            raise InputError(f"verify_on_device: {ell} drafts in {S} tokens at {start} (needs a drafting round first, "
-                             f"at most {self.buckets.max_query} tokens, max_seq {self.max_seq})")
+        if self._draft_out is None or not S <= self.buckets.max_query or start + S > self.max_seq:
+            raise InputError(f"verify: {S} tokens at {start} (needs a drafting round first, at most "
+                             f"{self.buckets.max_query} tokens, max_seq {self.max_seq})")
+        t0 = time.perf_counter()
         out, _ = self._target_chunk(row, start, 0, S, 0)
-        T, u_emit = float(temperatures[0]), float(uniforms[0, self.block_size])
         a, token = self.device.compute(
-            lambda xp, drafts, p_d, logits, u: accept(xp, drafts, p_d[0, :ell], logits[0, :ell + 1], T, u, u_emit),
-            row[1:ell + 1], self._draft_out["draft_probs"], out["logits"], np.asarray(uniforms[0, :ell], np.float64))
+            lambda xp, drafts, p_d, logits, lengths, temps, u: xp.stack(accept(xp, drafts, lengths, p_d, logits, temps, u)),
+            batch.tokens[:, 1:], self._draft_out["draft_probs"], out["logits"], batch.lengths[:1],
+            batch.temperatures[:1], batch.accept_uniforms[:1])
         feats = self.device.download(out["features"]).astype(np.float32, copy=False)  # [1, S, F]
-        return np.array([a], np.int64), np.array([token], np.int64), feats
+        self._timed("target", "target", t0, {"input_ids": batch.tokens})
+        return Verdict(np.asarray(a, np.int64), np.asarray(token, np.int64), feats)
 
-    def draft(self, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray, anchors: np.ndarray,
-              temperatures: np.ndarray, uniforms: np.ndarray, floors: np.ndarray | None = None) -> Draft:
-        _check_rows(len(features))
-        floor = 0 if floors is None else int(floors[0])
-        out = self._draft_rows(features[0, :int(counts[0])], int(ctx_starts[0]), floor, int(anchors[0]),
-                               float(temperatures[0]), uniforms[0])
+    def draft(self, batch: StepBatch) -> Draft:
+        _check_rows(len(batch.counts))
+        t0 = time.perf_counter()
+        out = self._draft_rows(batch.features[0, :int(batch.counts[0])], int(batch.ctx_starts[0]),
+                               int(batch.floors[0]), int(batch.anchors[0]), float(batch.temperatures[0]),
+                               batch.draft_uniforms[0])
         d = self.device
         tokens = d.download(out["draft_tokens"]).astype(np.int64, copy=False)  # [1, γ]
         confidence = d.download(out["confidence_logits"]).astype(np.float32, copy=False)  # [1, γ]
+        self._timed("drafter", "drafter", t0, {"features": batch.features})
         if self.accepts_on_device:
             return DeviceDraft(tokens, confidence, d, out["draft_probs"])
         return Draft(tokens, d.download(out["draft_probs"]).astype(np.float32, copy=False), confidence)
@@ -249,12 +268,12 @@ class GraphBackend:
 def check_slots(slots: int) -> None:
     if slots != 1:
         raise BackendError(f"the GPU backends serve one request at a time: slots={slots} (concurrent requests) "
-                           f"is not ported to runtime/gpu yet; use the onnxruntime backend for that")
+                           f"is not ported to the shared GPU layer yet; use the onnxruntime backend for that")
 
 
 def _check_rows(batch: int) -> None:
     if batch != 1:
-        raise BackendError(f"a GPU backend call for {batch} request rows: runtime/gpu serves one request "
+        raise BackendError(f"a GPU backend call for {batch} request rows: the shared GPU layer serves one request "
                            f"(slots=1); batched rows are not ported yet")
 
 
