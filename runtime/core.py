@@ -133,7 +133,8 @@ class EngineCore:
     def __init__(self, backend: Backend, scheduler: Scheduler | None, catch_up: int = CATCH_UP,
                  max_waiting: int | None = None):
         """catch_up (> γ, so that a request drafted every step keeps its whole context): see the module
-        doc. max_waiting: how many requests may wait for a slot (None: no limit)."""
+        doc. max_waiting: how many requests may wait for a slot beyond those that take a free slot at the
+        next step (None: no limit)."""
         if catch_up <= backend.block_size:
             raise InputError(f"catch_up is {catch_up}, expected more than the block size {backend.block_size}")
         self.backend, self.scheduler, self.catch_up, self.max_waiting = backend, scheduler, catch_up, max_waiting
@@ -150,10 +151,11 @@ class EngineCore:
         a slot with its budget."""
         if request_id in self.requests:
             raise InputError(f"request {request_id!r} is already waiting or running")
-        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-            raise EngineFullError(f"{len(self.waiting)} requests are waiting for a slot (max_waiting "
-                                  f"{self.max_waiting}); retry later")
         ids = check_prompt(self.backend, prompt_ids, params)
+        free = self.slots.count(None)
+        if self.max_waiting is not None and len(self.waiting) >= free + self.max_waiting:
+            raise EngineFullError(f"{len(self.waiting) - free} requests are waiting for a slot (max_waiting "
+                                  f"{self.max_waiting}); retry later")
         gamma = self.backend.block_size
         stats = Stats(attempts=np.zeros(gamma, np.int64), accepts=np.zeros(gamma, np.int64))
         req = _Request(request_id, ids, params, np.random.default_rng(params.seed), stats, time.perf_counter())

@@ -82,6 +82,20 @@ def tiny_bundle(tmp_path_factory) -> BundleInfo:
 
 
 @pytest.fixture(scope="session")
+def profiled(tiny_bundle, tmp_path_factory) -> Path:
+    """A copy of the tiny bundle with a (synthetic) SPS table and calibration."""
+    import shutil
+
+    from factories import TINY_CALIBRATION, TINY_SPS
+
+    path = tmp_path_factory.mktemp("profiled") / "bundle"
+    shutil.copytree(tiny_bundle.path, path)
+    TINY_SPS.save(path, {"synthetic": True})
+    TINY_CALIBRATION.save(path, {"synthetic": True})
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
     """The default SmolLM2 bundle: `dspark export --out <tmp>/smollm2` once per session
     (~2.5 min), or an existing bundle directory named by $DSPARK_BUNDLE."""

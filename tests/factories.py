@@ -5,6 +5,7 @@ import torch
 
 from dspark.export.drafter import Drafter
 from dspark.export.target import TargetModel
+from dspark.runtime import Calibration, SpsTable
 from dspark.runtime.config import DrafterConfig, TargetConfig
 
 
@@ -117,6 +118,12 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+# The tiny bundle's synthetic SPS table: verification gets dearer with the batch; drafting costs a
+# third of a one-token step.
+TINY_SPS = SpsTable(tuple(1.0 / (1.0 + 0.12 * (b - 1)) for b in range(1, 16)), (0.3, 0.35, 0.4))
+TINY_CALIBRATION = Calibration((1.5, 1.0, 0.8, 1.2))
+
+
 def tiny_tokenizer():
     """A character-level `tokenizers` tokenizer (BPE without merges) wrapped as a transformers
     PreTrainedTokenizerFast with a ChatML-like chat template; eos = <|im_end|> (id 2)."""
@@ -152,15 +159,16 @@ def write_tiny_hf_target(directory, seed: int = 0, layers: int = 4):
 
 
 def import_blocker(*blocked: str) -> str:
-    """Python source that makes importing any of `blocked` (top-level names) fail and records the
-    attempts in `attempts`: the prelude of subprocess checks that a module does without them."""
+    """Python source that makes importing any of `blocked` (packages, with their submodules) fail
+    and records the attempts in `attempts`: the prelude of subprocess checks that a module does
+    without them."""
     return f"""
 import importlib.abc, json, sys
 BLOCKED, attempts = {blocked!r}, []
 
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
             attempts.append(name)
             raise ImportError(f"{{name}} is blocked: the runtime must not need it")
         return None
@@ -184,3 +192,24 @@ def step_batch(features, counts, ctx_starts, anchors, temperatures, uniforms, fl
     return StepBatch(np.asarray(features, np.float32), counts,
                      np.zeros(B, np.int64) if floors is None else np.asarray(floors, np.int64), ctx_starts + counts,
                      np.asarray(anchors, np.int64), np.asarray(temperatures, np.float64), u, np.zeros(B, np.int64))
+
+
+class Replay:
+    """A scheduler that repeats one request's recorded decisions (its Stats), cycle by cycle: whether
+    the drafter ran, and ℓ. Run alone under it, a request meets exactly the decisions it met in a
+    batch, so its sampled output must be the batch's token for token: nothing else of the batch
+    may reach it."""
+
+    name = "replay"
+
+    def __init__(self, stats):
+        self.drafted, self.verified, self.cycle = list(stats.drafted), list(stats.verified), 0
+
+    def should_draft(self, history, rows: int) -> bool:
+        self.cycle += 1
+        return self.drafted[self.cycle - 1]
+
+    def lengths(self, confidence_logits, history):
+        import numpy as np
+
+        return np.array([self.verified[self.cycle - 1]], np.int64)

@@ -180,6 +180,8 @@ REQUEST_CASES = {
     "nan_temperature": (["--temperature", "nan"], {"temperature": math.nan}, "temperature is nan"),
     "infinite_temperature": (["--temperature", "inf"], {"temperature": math.inf}, "temperature is inf"),
     "empty_raw_prompt": (["--raw", "--prompt", ""], {"prompt": "", "chat": False}, "prompt is empty"),
+    "negative_seed": (["--seed", "-5"], {"seed": -5}, "seed is -5, expected an integer >= 0"),
+    "empty_stop_string": (["--stop", ""], {"stop": [""]}, "stop is"),
 }
 
 

@@ -9,9 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
-from factories import reference_logits, step_batch
+from factories import TINY_SPS, Replay, reference_logits, step_batch
 
-from dspark.runtime import BundleError, Calibration, Engine, InputError, SpsTable
+from dspark.runtime import (BundleError, Calibration, Engine, InputError, Request, SamplingParams, SpsTable, generate,
+                            generate_batch)
 from dspark.runtime.tools.cli import main
 from dspark.runtime.backends.onnxruntime import INT8_MAX_SLOTS
 from dspark.runtime.tools.parity import greedy_match
@@ -21,18 +22,7 @@ PROMPTS = ["Hello there, how are you?", "What is 17 * 23?", "Tell me a story abo
 SLOTS = 3
 MAX_SEQ = 160
 SCHEDULERS = ["none", "fixed", "threshold", "prefix", "async", "cost"]
-# Verification gets dearer with the batch; drafting costs a third of a one-token step.
-SPS = SpsTable(tuple(1.0 / (1.0 + 0.12 * (b - 1)) for b in range(1, 16)), (0.3, 0.35, 0.4))
-
-
-@pytest.fixture(scope="module")
-def profiled(tiny_bundle, tmp_path_factory):
-    """A copy of the tiny bundle with an SPS table and a calibration."""
-    path = tmp_path_factory.mktemp("profiled") / "bundle"
-    shutil.copytree(tiny_bundle.path, path)
-    SPS.save(path, {"synthetic": True})
-    Calibration((1.5, 1.0, 0.8, 1.2)).save(path, {"synthetic": True})
-    return path
+SPS = TINY_SPS
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +124,6 @@ def test_skipped_steps_catch_up_within_a_window(tiny_bundle, engines):
     """With the drafter gate skipping steps, requests joining meanwhile are not fed to the drafter
     at join, and a round after a long skip feeds at most `catch_up` rows with the context
     restarting there (asserted: both happen); greedy outputs stay those of the target alone."""
-    from dspark.runtime.core import Request, SamplingParams, generate, generate_batch
     from dspark.runtime.schedulers import make_scheduler
 
     solo_engine, batch_engine = engines
@@ -188,20 +177,76 @@ def test_portable_graph_batches_too(tiny_bundle, profiled, engines):
         assert m.ok, f"{prompt!r}: {m}"
 
 
-@pytest.mark.parametrize("graph", ["int8", "fp32"])
-@pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
-def test_sampled_batch_follows_each_requests_rng(profiled, scheduler, graph):
-    """Schedulers that decide per request give the very tokens of a solo run with the same seed,
-    with either drafter graph: the int8 one, whose per-call activation scale would couple the
-    rows of one batched call, drafts row by row; the fp32 one drafts all rows in one call."""
+class Coupled:
+    """A deliberately broken backend: row 0's new context features leak into row 1's drafting round."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for name in ("block_size", "vocab_size", "max_seq", "slots", "accepts_on_device", "drafter_graph", "on_run"):
+            setattr(self, name, getattr(inner, name))
+
+    def prefill(self, slot, tokens, ingest):
+        return self.inner.prefill(slot, tokens, ingest)
+
+    def target(self, tokens, starts):
+        return self.inner.target(tokens, starts)
+
+    def draft(self, batch):
+        if len(batch.counts) > 1 and batch.counts[0] and batch.counts[1]:
+            n = min(batch.counts[0], batch.counts[1])
+            batch.features[1, :n] += batch.features[0, :n]
+        return self.inner.draft(batch)
+
+    def verify(self, batch, draft):
+        return self.inner.verify(batch, draft)
+
+
+def sampled_batch_mismatches(profiled, scheduler: str, graph: str, coupled: bool = False) -> list[str]:
+    """Decode PROMPTS sampled, SLOTS at a time; then each request alone under `Replay` of the decisions
+    it met in the batch (whether the drafter ran, ℓ). Returns the prompts whose solo tokens differ.
+
+    Why a replay and not the solo run under the same scheduler: a batched and a solo verification
+    run different target graphs (the portable one batches rows, the ONNX Runtime one serves one
+    row), whose features differ in their last bits; the int8 drafter's per-call activation scale
+    turns that into confidence differences of ~0.1 in logit, so a confidence near the threshold
+    can fall on either side of it, ℓ differs, and a sampled request then uses its draws
+    differently: another exact sample of the target, not the same one (this is what failed on
+    AVX2-only machines). Everything else of a request - its drafts, its verification, its random
+    stream - must not depend on its neighbours, which the replay checks token for token."""
     solo_engine = Engine.load(profiled, max_seq=MAX_SEQ, drafter_graph=graph)
     batch_engine = Engine.load(profiled, max_seq=MAX_SEQ, slots=SLOTS, drafter_graph=graph)
     assert batch_engine.backend.drafter_int8 == solo_engine.backend.drafter_int8 == (graph == "int8")
-    batch = batch_engine.generate_batch(PROMPTS, max_new_tokens=30, temperature=1.0, seeds=[7, 8, 9, 10, 11],
-                                        scheduler=scheduler)
-    for prompt, seed, got in zip(PROMPTS, [7, 8, 9, 10, 11], batch):
-        alone = solo_engine.generate(prompt, max_new_tokens=30, temperature=1.0, seed=seed, scheduler=scheduler)
-        assert got.token_ids == alone.token_ids, f"{prompt!r}"
+    seeds = [7, 8, 9, 10, 11]
+    requests = [Request(solo_engine.encode(p), batch_engine.params(1.0, 30, seed)) for p, seed in zip(PROMPTS, seeds)]
+    backend = Coupled(batch_engine.backend) if coupled else batch_engine.backend
+    sched = batch_engine.scheduler(scheduler)
+    bad = []
+    for prompt, req, got in zip(PROMPTS, requests, generate_batch(backend, requests, sched)):
+        s = got.stats
+        if scheduler == "threshold":  # each decision is the request's own: its confidences alone
+            # ℓ is capped by the budget left after the anchor; the prefill token and each cycle's are out
+            caps = [req.params.max_new_tokens - 1 - (1 + sum(s.emitted[:i])) for i in range(s.cycles)]
+            own = [min(int(sched.lengths(c[None], None)[0]), cap) for c, cap in zip(s.confidences, caps)]
+            assert own == s.verified, f"{prompt!r}: threshold decisions {s.verified} are not its own {own}"
+        alone = generate(solo_engine.backend, req.prompt_ids, req.params, Replay(s))
+        if alone.token_ids != got.token_ids:
+            bad.append(prompt)
+    return bad
+
+
+@pytest.mark.parametrize("graph", ["int8", "fp32"])
+@pytest.mark.parametrize("scheduler", ["fixed", "threshold"])
+def test_sampled_batch_follows_each_requests_rng(profiled, scheduler, graph):
+    """A sampled request in a batch meets the scheduler's decisions from its own confidences and
+    otherwise draws exactly what it draws alone: with either drafter graph (the int8 one drafts row
+    by row, so that its per-call activation scale couples no rows; the fp32 one drafts all rows in
+    one call). `sampled_batch_mismatches` says why it replays the decisions."""
+    assert sampled_batch_mismatches(profiled, scheduler, graph) == []
+
+
+def test_sampled_batch_check_catches_a_coupling(profiled):
+    """The same check fails when row 0's features leak into row 1's drafting round."""
+    assert sampled_batch_mismatches(profiled, "threshold", "int8", coupled=True) != []
 
 
 def test_auto_drafter_graph_follows_the_slot_count(engines):

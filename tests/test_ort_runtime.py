@@ -208,17 +208,23 @@ def test_messages_and_raw_prompts(tiny_bundle, engine):
 
 # --- the lean runtime ------------------------------------------------------------------------------
 
-LEAN = import_blocker("torch", "transformers") + """
+LEAN = import_blocker("torch", "transformers", "dspark.export") + """
 import dspark.runtime
-from dspark.runtime import Engine
+from dspark.runtime import Engine, SamplingParams
 from dspark.runtime.tools.cli import main
 
 engine = Engine.load(sys.argv[1], max_seq=128)
 result = engine.generate("Hello there, how are you?", max_new_tokens=24)
 assert result.token_ids and result.finish_reason in ("length", "stop"), result
+core = engine.core("fixed")  # the step-wise core, driven by hand
+core.add_request("a", engine.encode("Hi"), SamplingParams(temperature=1.0, seed=3, max_new_tokens=8))
+steps = 0
+while core.has_unfinished():
+    steps += len(core.step())
+assert steps >= 1
 assert main(["generate", "--bundle", sys.argv[1], "--prompt", "Hi", "--max-new-tokens", "8", "--json",
              "--max-seq", "64"]) == 0
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 print(json.dumps({"token_ids": result.token_ids, "loaded": loaded, "attempts": attempts}))
 """
 
