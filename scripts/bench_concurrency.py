@@ -15,7 +15,7 @@ rounds of alternating order (A B C, C B A, ...) so that a drift of a shared mach
 falls on all of them (an even number of rounds gives every contender each position equally
 often); tokens/s pools the rounds, and each level prints the per-round ratios and every
 contender's wall split into the seconds inside the engine's calls (prefill, target, drafter)
-and the loop's rest. Greedy outputs at R > 1 are compared with the same scheduler's R = 1
+(inside the engine's runs, from its timing hook) and the loop's rest. Greedy outputs at R > 1 are compared with the same scheduler's R = 1
 outputs.
 
     python scripts/bench_concurrency.py --bundle engines/smollm2 --out /tmp/conc.json --png /tmp/conc.png
@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from dspark.runtime import Engine
+from dspark.runtime.backends import RunTimer
+from dspark.runtime.tools.prompts import bench_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gsm8k", "mt-bench")
@@ -41,50 +43,27 @@ DATASETS = ("gsm8k", "mt-bench")
 
 def load_prompts(data_dir: Path, n: int) -> list[str]:
     """n prompts, alternating between the datasets (first turns)."""
-    per = []
-    for name in DATASETS:
-        with open(data_dir / "bench" / f"{name}.jsonl") as f:
-            per.append([json.loads(line)["turns"][0] for line in f if line.strip()][:n])
+    per = [bench_prompts(name, n, data_dir=data_dir / "bench") for name in DATASETS]
     mixed = [p for pair in zip(*per) for p in pair][:n]
     if len(mixed) < n:
         raise SystemExit(f"only {len(mixed)} prompts in {data_dir / 'bench'}, {n} needed")
     return mixed
 
 
-class TimedBackend:
-    """The engine's backend with the seconds spent inside each of its calls added up, so that a
-    contender's wall splits into prefill, target, drafter and the loop's own rest."""
-
-    CALLS = ("prefill", "target", "draft")
-
-    def __init__(self, inner):
-        self.inner, self.seconds = inner, dict.fromkeys(self.CALLS, 0.0)
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.inner, name)
-        if name not in self.CALLS:
-            return attr
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - t0
-        return timed
+KINDS = ("prefill", "target", "drafter")  # the engine runs the timing hook reports
 
 
 def run_level(engine: Engine, prompts: list[str], scheduler: str, max_new_tokens: int) -> dict:
     """One pass of `prompts` through the engine's slots under `scheduler` (after a warm-up)."""
     engine.generate_batch(prompts[:engine.backend.slots], max_new_tokens=8, scheduler=scheduler)  # warm-up
-    timed = engine.backend = TimedBackend(engine.backend)
+    timer = engine.backend.on_run = RunTimer()
     try:
         t0 = time.perf_counter()
         results = engine.generate_batch(prompts, max_new_tokens=max_new_tokens, scheduler=scheduler)
         wall = time.perf_counter() - t0
     finally:
-        engine.backend = timed.inner
-    return {"wall_s": wall, "results": results, "call_s": timed.seconds}
+        engine.backend.on_run = None
+    return {"wall_s": wall, "results": results, "call_s": {k: timer.seconds[k] for k in KINDS}}
 
 
 def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
@@ -96,13 +75,13 @@ def summarize(engine: Engine, scheduler: str, runs: list[dict]) -> dict:
         "scheduler": scheduler, "resolved": getattr(engine.scheduler(scheduler), "name", "none"),
         "requests": len(runs[0]["results"]), "rounds": len(runs), "tokens": int(sum(tokens)),
         "wall_s": sum(run["wall_s"] for run in runs),
-        "call_s": {k: sum(run["call_s"][k] for run in runs) for k in TimedBackend.CALLS},
+        "call_s": {k: sum(run["call_s"][k] for run in runs) for k in KINDS},
         "total_tok_s": sum(tokens) / sum(run["wall_s"] for run in runs),
         "round_total_tok_s": [sum(len(r.token_ids) for r in run["results"]) / run["wall_s"] for run in runs],
         "per_request_tok_s": float(np.mean([r.stats.to_dict(n)["tokens_per_s"] for r, n in zip(results, tokens)])),
         "tau": float(np.mean([s.tau for s in stats])) if stats else 1.0,
         "mean_verified": float(np.mean([v for s in stats for v in s.verified])) if stats else 0.0,
-        "drafted_share": float(sum(s.drafted for s in stats) / max(1, sum(s.cycles for s in stats))),
+        "drafted_share": float(sum(sum(s.drafted) for s in stats) / max(1, sum(s.cycles for s in stats))),
         "mean_batch": float(np.mean([b for r in results for b in r.stats.batch])),
         "token_ids": [r.token_ids for r in runs[0]["results"]],
     }

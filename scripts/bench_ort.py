@@ -10,8 +10,8 @@ over the first N prompts of GSM8K and of MT-Bench (first turn), run interleaved 
 (a, b, c for prompt 1, then prompt 2, ...) after one warm-up of each contender.
 
 It also measures
-  * the time spent inside ONNX Runtime session runs (the sessions' `run_with_iobinding` is
-    wrapped), so host overhead = cycle wall time - time inside ORT is measured, not estimated;
+  * the time spent inside ONNX Runtime session runs (the backend's timing hook, `on_run`), so
+    host overhead = cycle wall time - time inside ORT is measured, not estimated;
   * the sequential stage's share of the drafter's kernel time, from an ONNX Runtime profile of a
     fresh drafter session fed the inputs captured from a real DSpark run (nodes attributed by the
     'SequentialStage' entry of their 'pkg.torch.onnx.class_hierarchy' metadata, which the int8
@@ -47,7 +47,11 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from dspark.runtime.backends import RunEvent
+from dspark.runtime.backends.onnxruntime import session_options  # the engine's own: side runs share its threads
+from dspark.runtime.graph_io import PAST, kv_names
 from dspark.runtime.schedulers import NAMES as SCHEDULERS
+from dspark.runtime.tools.prompts import bench_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gsm8k", "mt-bench")
@@ -119,36 +123,19 @@ class CpuUse:
 # ---------------------------------------------------------------------------------------------
 # ORT timing
 
-class OrtTimer:
-    """Wraps `run_with_iobinding` of the engine's sessions and records (role, seconds) per call."""
+class RunLog:
+    """The engine's timing hook (`backend.on_run`): every engine run as (kind, graph, seconds), and
+    while `capture` is set the inputs of the drafting rounds (copied)."""
 
     def __init__(self):
-        self.calls: list[tuple[str, float]] = []
+        self.runs: list[tuple[str, str, float]] = []
+        self.capture = False
+        self.captured: list[tuple[str, dict[str, np.ndarray]]] = []
 
-    def wrap(self, session: ort.InferenceSession, role: str) -> None:
-        run, calls, clock = session.run_with_iobinding, self.calls, time.perf_counter
-
-        def timed(*args, **kwargs):
-            t0 = clock()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                calls.append((role, clock() - t0))
-
-        session.run_with_iobinding = timed  # instance attribute: only this session is affected
-
-
-def session_options(threads: int) -> ort.SessionOptions:
-    """The engine's own session options (global intra-op pool), so side measurements run on
-    the same threads as the engine."""
-    try:
-        from dspark.runtime.backends.onnxruntime import session_options as engine_options
-        return engine_options(threads)
-    except ImportError:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        return so
+    def __call__(self, event: RunEvent) -> None:
+        self.runs.append((event.kind, event.graph, event.seconds))
+        if self.capture and event.kind == "drafter":
+            self.captured.append((event.graph, {k: np.array(v, copy=True) for k, v in event.inputs.items()}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,21 +159,17 @@ class Run:
         return dict(self.__dict__)
 
 
-def run_engine(engine, timer: OrtTimer, contender: str, scheduler: str, threshold: float, prompt: str,
+def run_engine(engine, log: RunLog, contender: str, scheduler: str, threshold: float, prompt: str,
                max_new_tokens: int, dataset: str, index: int) -> Run:
-    timer.calls.clear()
+    log.runs.clear()
     t0 = time.perf_counter()
     res = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, scheduler=scheduler,
                           threshold=threshold)
     wall = time.perf_counter() - t0
-    calls = list(timer.calls)
-    if not calls or calls[0][0] != "target":
-        raise RuntimeError("expected the first ORT call of a request to be the target's prefill")
-    ort_times = {"prefill": calls[0][1],
-                 "target_decode": sum(d for r, d in calls[1:] if r == "target"),
-                 "drafter": sum(d for r, d in calls if r == "drafter"),
-                 "target_calls": sum(1 for r, _ in calls if r == "target"),
-                 "drafter_calls": sum(1 for r, _ in calls if r == "drafter")}
+    seconds = lambda kind: sum(d for k, _, d in log.runs if k == kind)  # noqa: E731
+    count = lambda kind: sum(1 for k, _, _ in log.runs if k == kind)  # noqa: E731
+    ort_times = {"prefill": seconds("prefill"), "target_decode": seconds("target"), "drafter": seconds("drafter"),
+                 "target_calls": count("target"), "drafter_calls": count("drafter")}
     st = res.stats
     stats = {"times_s": dict(st.times), "cycles": st.cycles, "emitted_sum": int(sum(st.emitted)),
              "verified_sum": int(sum(st.verified)), "tau": st.tau,
@@ -478,23 +461,6 @@ def agg_dspark(runs: list[Run], seq_share: float | None) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 
-def load_prompts(data_dir: Path, n: int, extra: int = 1) -> dict[str, list[str]]:
-    out = {}
-    for name in DATASETS:
-        path = data_dir / "bench" / f"{name}.jsonl"
-        prompts = []
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    prompts.append(json.loads(line)["turns"][0])
-                if len(prompts) >= n + extra:
-                    break
-        if len(prompts) < n:
-            raise SystemExit(f"{path} has only {len(prompts)} prompts, --n-prompts is {n}")
-        out[name] = prompts
-    return out
-
-
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -550,12 +516,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine.load(bundle, max_seq=args.max_seq, threads=args.threads)
     m = engine.manifest
-    timer = OrtTimer()
-    timer.wrap(engine.backend._target.session, "target")
-    for graph in (engine.backend._drafter, engine.backend._drafter_greedy):
-        if graph is not None:
-            timer.wrap(graph.session, "drafter")
-    prompts = load_prompts(args.data_dir, args.n_prompts)
+    log = engine.backend.on_run = RunLog()
+    prompts = {name: bench_prompts(name, args.n_prompts + 1, data_dir=args.data_dir / "bench") for name in DATASETS}
     print(f"bundle    {bundle}: target {m.target.arch} {m.target.num_layers} layers d={m.target.hidden_size} "
           f"V={m.target.vocab_size}, drafter γ={m.drafter.block_size} {m.drafter.num_layers} layer(s) "
           f"[{m.drafter_label}]")
@@ -606,30 +568,18 @@ def main(argv: list[str] | None = None) -> int:
         if name == "transformers":
             gen_config.max_new_tokens = n_new
             return run_transformers(model, torch, gen_config, engine.encode(prompt), dataset, index)
-        return run_engine(engine, timer, name, sched_of[name], args.threshold, prompt, n_new, dataset, index)
+        return run_engine(engine, log, name, sched_of[name], args.threshold, prompt, n_new, dataset, index)
 
     # warm-up, one of each, on a prompt outside the measured set; capture the drafter's inputs
-    captured: list[dict] = []
-    drafter_graph = engine.backend._drafter_greedy or engine.backend._drafter  # the graph greedy rows run
     warm_prompt = prompts["gsm8k"][args.n_prompts] if len(prompts["gsm8k"]) > args.n_prompts else prompts["gsm8k"][0]
     for name in tqdm(contenders, desc="warm-up", file=sys.stderr, leave=False):
-        if name.startswith("dspark") and not captured:
-            original = drafter_graph.run
-
-            def capturing(lo, hi, **inputs):
-                captured.append({k: np.array(v, copy=True) for k, v in inputs.items()})
-                return original(lo, hi, **inputs)
-
-            drafter_graph.run = capturing
-            try:
-                one(name, warm_prompt, min(64, args.max_new_tokens), "warmup", -1)
-            finally:
-                del drafter_graph.run  # back to the class's method
-        else:
-            one(name, warm_prompt, min(64, args.max_new_tokens), "warmup", -1)
-    drafter_past = {f"past_{kind}_{i}": a.copy() for kind, arrays in
-                    (("key", engine.backend.draft_kv.keys), ("value", engine.backend.draft_kv.values))
-                    for i, a in enumerate(arrays)}
+        log.capture = name.startswith("dspark") and not log.captured
+        one(name, warm_prompt, min(64, args.max_new_tokens), "warmup", -1)
+    log.capture = False
+    drafter_graph = log.captured[0][0] if log.captured else None  # the graph greedy rows run
+    captured = [inputs for graph, inputs in log.captured if graph == drafter_graph]
+    drafter_past = dict(zip(kv_names(PAST, len(engine.backend.draft_kv.keys)),
+                            (a.copy() for a in engine.backend.draft_kv.arrays)))
 
     # weight-read floors, once before and once after the measured runs (the floor is the fastest read seen)
     print("measuring: weight-read floors (before) …", file=sys.stderr, flush=True)
@@ -669,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     print("measuring: drafter profile, weight-read floors (after) …", file=sys.stderr, flush=True)
     prof = None
     if captured:
-        prof = profile_drafter(bundle, drafter_graph.path.name, args.threads, captured, drafter_past,
+        prof = profile_drafter(bundle, drafter_graph, args.threads, captured, drafter_past,
                                args.profile_passes)
     floors["ort"].append(gemv_floor(wb["initializer_bytes"], m.target.hidden_size, args.floor_matmuls,
                                     args.threads, args.floor_reps))
