@@ -296,7 +296,7 @@ def profile_drafter(bundle: Path, graph: str, threads: int, captured: list[dict]
             continue
         name, dur, op = e["name"][:-len("_kernel_time")], float(e["dur"]), e.get("args", {}).get("op_name", "?")
         if name in in_branch:  # already inside its control-flow node's time, which also counts the
-            continue  # branch's own overhead (an ad-hoc profile: 0.7 ms of kernels in an If of 1.9 ms)
+            continue  # branch's own overhead (docs/results.md)
         cls = attribute(name)
         if cls is True:
             seq_us += dur
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq", type=int, default=2048, help="engine KV positions (default 2048)")
     p.add_argument("--no-transformers", action="store_true", help="skip contender (c)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip contender (d), run when llama-cpp-python "
-                   "is installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install -e '.[llama]': it compiles, 3.5 min here)")
+                   "is installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install -e '.[llama]': it compiles from source, minutes)")
     p.add_argument("--floor-matmuls", type=int, default=96, help="GEMVs in the ORT weight-read graph (default 96)")
     p.add_argument("--floor-reps", type=int, default=25, help="timed repetitions of each floor measurement")
     p.add_argument("--profile-passes", type=int, default=3, help="passes over the captured drafter calls "

@@ -3,7 +3,7 @@
 # ablation from scratch on a 2-core CPU, then Table 1 / Figure 2. Every step is resumable:
 # rerun the script and each step continues where it stopped.
 #
-#   bash scripts/reproduce_drafter.sh            # everything: about 7.5 hours on a 2-core VM
+#   bash scripts/reproduce_drafter.sh            # everything (hours on a small CPU; docs/drafter.md has the wall times)
 #   TRAIN_MINUTES=30 bash scripts/reproduce_drafter.sh
 #
 # Training has four phases, as the shipped drafter had (four sessions): phase 1 from a random
@@ -15,7 +15,7 @@
 # session's budget stopped at step 1,146 for DSpark). A held-out set
 # (prompts no phase trained on) measures the drafters teacher-forced at the end.
 #
-# Wall time of the shipped run and every figure: README.md, "The default drafter".
+# Wall time of the shipped run and every figure: docs/drafter.md and docs/results.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +34,7 @@ LAYERS="1 8 15 22 28"
 ARCH=(--data "$DATA" --layers 2 --layer-ids $LAYERS --anchors 48 --batch 8 --amp bf16)
 PHASE1=(--steps 1000 --warmup 50 --lr 1e-3 --seed 0)
 PHASE2=(--steps 1700 --warmup 30 --lr 5e-4 --seed 1)
-STEPS3=1493  # what the third session's time allowed at about 3.1 s a step
+STEPS3=1493  # phase 3's length in the shipped run (docs/drafter.md)
 PHASE3=(--steps $STEPS3 --warmup 30 --lr 4e-4 --seed 2)
 STEPS4=1153  # what the fourth session's time allowed (DSpark's run stopped at step 1146 of them)
 PHASE4=(--steps $STEPS4 --warmup 30 --lr 4e-4 --seed 3)

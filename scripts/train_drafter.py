@@ -47,7 +47,7 @@ The pipeline (each step resumable: run it again to continue where it stopped):
 
   budget       parameter count and the largest Markov rank within the 30 MB (bf16) budget.
 
-Defaults (the shipped drafter's two-phase recipe is scripts/reproduce_drafter.sh): gamma=7,
+Defaults (the shipped drafter's four-phase recipe is scripts/reproduce_drafter.sh): gamma=7,
 2 layers, target_layer_ids 1 8 15 22 28 of the 30-layer target, vanilla Markov head with the
 largest rank (multiple of 8) that keeps the drafter <= 30 MB in bf16 without embeddings (56
 for 2 layers, 96 for 1; a warm start keeps its checkpoint's), mask token <empty_output> (id
@@ -87,12 +87,10 @@ def _heap_policy() -> Callable[[], None] | None:
 
     A training step allocates and frees several [N, γ, V] tensors of ~0.25-0.5 GB; by
     default each is a fresh mmap (or heap growth trimmed again at free) whose pages fault in
-    on first touch. On this project's CPU that made a step about 4x slower: 20-25 s against
-    5.2-5.6 s (the shipped config's step, 8 sequences x 48 anchors, on one thread beside a
-    2-thread job). Such a heap fragments when those tensors change size every batch (two
-    runs reached 11-12 GB resident each in 420 steps); `make_batch` pads a batch to a few
-    sizes, which bounds it (2.9-4.4 GB over 1,700 steps, README "The shipped run"), and the
-    release at checkpoints returns what a larger batch left free."""
+    on first touch, which made training steps several times slower. Such a heap fragments
+    when those tensors change size every batch; `make_batch` pads a batch to a few sizes,
+    which bounds it, and the release at checkpoints returns what a larger batch left free
+    (figures: docs/drafter.md, "Training speed and memory")."""
     import ctypes
     import ctypes.util
 
@@ -459,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-new-tokens", type=int, default=512, help="response length cap (default 512)")
     q.add_argument("--batch", type=int, default=16, help="prompts per generate call (default 16)")
     q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="generation precision (default bf16: "
-                   "2.5x faster than fp32 on an AVX512-bf16 CPU, 315 vs 125 tok/s at batch 32; the responses are "
+                   "faster than fp32 on CPUs with bf16 instructions (docs/drafter.md); the responses are "
                    "the target's own up to bf16 rounding)")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(fn=cmd_generate)
@@ -473,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-len", type=int, default=2048, help="tokens kept per sequence (default 2048)")
     q.add_argument("--batch", type=int, default=4, help="sequences per target forward (default 4)")
     q.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32", help="bf16 = the target's matmuls under "
-                   "bf16 autocast, residual stream fp32 (~3x faster on an AVX512-bf16 CPU); default fp32")
+                   "bf16 autocast, residual stream fp32 (faster on CPUs with bf16 instructions); default fp32")
     q.set_defaults(fn=cmd_cache)
 
     def session(q):

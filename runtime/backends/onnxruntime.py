@@ -26,8 +26,9 @@ INT8_MAX_SLOTS = 2
 
 def session_options(threads: int | None) -> ort.SessionOptions:
     """The target and drafter run one after the other, never at once. Two per-session pools
-    would spin against each other on a small machine (docs/results.md), so every session of the process uses ONNX Runtime's global intra-op pool, sized by the
-    first engine loaded (`threads`, default: every core); later sizes are ignored."""
+    would spin against each other on a small machine (docs/results.md), so every session of the
+    process uses ONNX Runtime's global intra-op pool, sized by the first engine loaded (`threads`,
+    default: every core); later sizes are ignored."""
     try:
         ort.capi._pybind_state.set_global_thread_pool_sizes(threads or os.cpu_count() or 1, 1)
     except ort.capi.onnxruntime_pybind11_state.Fail:  # the pool exists: share it
@@ -116,7 +117,7 @@ class OrtBackend:
         """target_graph: "ort" = the ONNX Runtime variant (fused contrib ops, cache written in
         place), "portable" = the standard-op graph TensorRT also reads, "auto" = "ort" on the
         CPU provider when the bundle has it. drafter_graph: "int8" = matmuls dynamically
-        quantized (about 2x faster on CPU; only the proposals change, never the output
+        quantized (cheaper on CPU, docs/results.md; only the proposals change, never the output
         distribution), "fp32" = the exported graph, "auto" = int8 on the CPU provider when
         the bundle has it and `slots` <= INT8_MAX_SLOTS (past that, one batched fp32 call is
         cheaper than int8 row by row). That choice is per engine, never per step, so a sampled

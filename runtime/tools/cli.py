@@ -193,7 +193,7 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
                    help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
                         "portable = standard ops (what TensorRT reads); auto = ort on the CPU provider")
     p.add_argument("--drafter-graph", default="auto", choices=["auto", "int8", "fp32"],
-                   help="drafter graph: int8 = matmuls dynamically quantized (about 2x faster drafting on CPU; "
+                   help="drafter graph: int8 = matmuls dynamically quantized (cheaper drafting on CPU; "
                         "output unchanged: acceptance corrects any proposal), fp32 = as exported; auto = int8 "
                         "on the CPU provider with at most 2 slots (int8 drafts sampled rows one by one; past 2 "
                         "rows one batched fp32 call is cheaper). With int8 or auto, calls whose rows are all "

@@ -1,6 +1,6 @@
 """`dspark build --backend tensorrt`: TensorRT engines from a bundle's ONNX graphs, built on
 the GPU that will run them. Strongly typed networks (the precision is the graphs' own),
-two optimization profiles per engine (runtime/trt/profiles.py), a timing cache kept across
+two optimization profiles per engine (runtime/backends/tensorrt/profiles.py), a timing cache kept across
 builds, and the engine metadata written into the manifest.
 
 NOT EXECUTED in this project's development environment (no GPU, no TensorRT). The CPU
