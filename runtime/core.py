@@ -74,7 +74,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     """A request and its decoding state, waiting or in its slot."""
 
@@ -191,9 +191,10 @@ class EngineCore:
         for r in self.requests.values():
             r.new = []
         speculative = self.scheduler is not None
+        ingest = speculative and not self.history.undrafted  # while the drafter is skipped, prompts wait for it
         for s, r in enumerate(self.slots):
-            if r is None and self.waiting:  # while the drafter is skipped, the prompt waits for the next round
-                self.slots[s] = self._prefill(s, self.waiting.popleft(), ingest=speculative and not self.history.undrafted)
+            if r is None and self.waiting:
+                self.slots[s] = self._prefill(s, self.waiting.popleft(), ingest)
         rows = [s for s, r in enumerate(self.slots) if r is not None and r.finish_reason is None]
         if rows:
             if speculative and self.scheduler.should_draft(self.history, len(rows)):
