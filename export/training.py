@@ -516,8 +516,7 @@ class DistillLoss(torch.autograd.Function):
     l1 are detached. The gradient with respect to the logits, a·(p_d − onehot(x*)) +
     b·p_d ⊙ (s − ⟨p_d, s⟩) with s = sign(p_d − p_t), is formed in the forward pass chunk by
     chunk, so the [M, V] intermediates of the plain autograd graph (log-softmax, probabilities,
-    differences, signs and their backward passes, ~0.5 GB each in the shipped config's step)
-    never exist."""
+    differences, signs and their backward passes) never exist."""
 
     CHUNK = 16  # rows: a [16, 49152] fp32 temporary is 3 MB
 
@@ -592,10 +591,9 @@ def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, t
 
 def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = False, exact_top: int = 16) -> torch.Tensor:
     """The target's logits lm_head(hidden): weight [V, d], hidden [N, γ, d] -> [N, γ, V] fp32, for
-    the token after each slot. With `bf16` the GEMM runs in bf16 (4.3x the fp32 rate on one
-    thread of this project's AVX512-bf16 CPU) and the `exact_top` largest logits of each row,
-    which carry nearly all of the distribution's mass, are recomputed in fp32; the rest keep
-    bf16's rounding (relative 2^-9)."""
+    the token after each slot. With `bf16` the GEMM runs in bf16 (faster on a CPU with bf16
+    instructions) and the `exact_top` largest logits of each row, which carry nearly all of the
+    distribution's mass, are recomputed in fp32; the rest keep bf16's rounding (relative 2^-9)."""
     w = weight.float()
     if not bf16:
         return hidden.float() @ w.T
@@ -608,10 +606,9 @@ def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = Fals
 def compute_loss(drafter: Drafter, batch: TrainBatch, cfg: TrainConfig,
                  weight_total: torch.Tensor | float | None = None) -> LossTerms:
     """Backbone -> heads -> losses for one (micro-)batch. Under bf16 autocast the backbone and
-    the draft heads' matmuls run in bf16 (fp32 accumulation; 3.7x the fp32 rate measured for
-    the LM-head GEMM on one thread of this project's AVX512-bf16 CPU), and so does the target's
-    LM head but for the largest logits of each row (`teacher_logits`); the softmaxes and the
-    losses stay in fp32."""
+    the draft heads' matmuls run in bf16 (fp32 accumulation), and so does the target's LM head
+    but for the largest logits of each row (`teacher_logits`); the softmaxes and the losses
+    stay in fp32."""
     h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions)  # [B, A, γ, d]
     h = h.flatten(0, 1).float()  # [N = B·A, γ, d]; padding anchors' slots are invalid (weight 0)
     B, T = batch.final_hidden.shape[:2]
