@@ -29,10 +29,8 @@ class TorchBackend:
     @torch.inference_mode()
     def _row(self, slot: int, tokens: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # [1, S]
-        pos = torch.arange(start, start + ids.shape[1])[None]  # [1, S]
-        logits, feats = self.model(ids, pos, self.caches[slot], self.feature_ids)
-        feats_np = feats[0].float().numpy() if feats is not None else np.zeros((ids.shape[1], 0), np.float32)
-        return logits[0].float().numpy(), feats_np  # [S, V], [S, F]
+        logits, feats = self.caches[slot].run(self.model, ids, start, self.feature_ids)
+        return logits[0].float().numpy(), feats[0].float().numpy()  # [S, V], [S, F]
 
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         logits, feats = self._row(slot, tokens, 0)

@@ -260,8 +260,7 @@ def target_states(target: TargetModel, tokens: torch.Tensor, layer_ids: Sequence
         B, T = tokens.shape
         dev = target.embed_tokens.weight.device
         with torch.inference_mode():
-            _, feats = target(tokens.to(dev), torch.arange(T, device=dev).expand(B, T), _cache_on(target, B, T, dev),
-                              tuple(layer_ids))
+            _, feats = _cache_on(target, B, T, dev).run(target, tokens.to(dev), 0, tuple(layer_ids))
     finally:
         handle.remove()
     return feats, captured["h"]
