@@ -6,7 +6,8 @@ IOBinding and CUDA graphs), looks only at its first P rows, where P is the width
 `past_mask` [B, P], and returns only the new K/V rows, which the runtime writes into its
 buffers. The math is the models' own (TargetModel.forward, Drafter.backbone/sequential);
 a wrapper slices the buffers and applies in-place transforms to its own copy of a model:
-the fused projections (layers.fuse_projections) and the draft vocabulary (restrict_vocab)."""
+the fused projections (layers.fuse_projections) and the draft vocabulary
+(draft_vocab.restrict_vocab)."""
 from __future__ import annotations
 
 import copy

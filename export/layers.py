@@ -3,9 +3,10 @@ RMSNorm, RoPE, attention over several key/value segments, the q/k/v projections 
 SwiGLU MLP, and `fuse_projections`, the in-place weight fusion the exported graphs use.
 
 Projections and MLP compute through one accessor per fused weight: the q/k/v projections as
-one [d, (H + 2·Hkv)·D] matrix, gate and up as one [d, 2·I] matrix. Built from the checkpoint's
-separate weights on every call (reference, training), or stored once by `fuse_projections`
-(the engine graphs, where each is then one MatMul with a constant weight)."""
+one [d, (H + 2·Hkv)·D] matrix (k/v alone for rows that are only attended to), gate and up as
+one [d, 2·I] matrix. Built from the checkpoint's separate weights on every call (reference,
+training), or stored once by `fuse_projections` (the engine graphs, where each is then one
+MatMul with a constant weight)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
