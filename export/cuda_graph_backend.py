@@ -7,7 +7,6 @@ the CPU, `TorchDevice.capture` records the body and re-runs it instead of captur
 which lets the CPU suite check everything on the GPU path but the capture itself."""
 from __future__ import annotations
 
-import copy
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +19,10 @@ from dspark.runtime.errors import BackendError
 from dspark.runtime.backends.gpu.buckets import Buckets
 from dspark.runtime.backends.gpu.device import Outputs
 from dspark.runtime.backends.gpu.graph_backend import GraphBackend
+from dspark.runtime.graph_io import DRAFTER_INPUTS, TARGET_INPUTS, drafter_outputs, target_outputs
 
 from .drafter import Drafter
-from .graphs import DRAFTER_INPUTS, TARGET_INPUTS, DrafterGraph, TargetGraph, drafter_outputs, target_outputs
+from .graphs import DrafterGraph, TargetGraph
 from .target import TargetModel
 
 
@@ -114,12 +114,12 @@ def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: in
     if device_acceptance is None:
         device_acceptance = not dev.is_cuda or importlib.util.find_spec("cupy") is not None
     ids = drafter.cfg.target_layer_ids if drafter is not None else ()
-    t = TargetGraph(copy.deepcopy(target), ids).to(dev.device).eval()
+    t = TargetGraph(target, ids).to(dev.device).eval()
     target_step = TorchStep(t, TARGET_INPUTS, target_outputs(target.cfg.num_layers))
     drafter_step = None
     if drafter is not None:
         drafter.cfg.check_against(target.cfg)
-        d = DrafterGraph(copy.deepcopy(drafter), branch="sampled").to(dev.device).eval()
+        d = DrafterGraph(drafter, branch="sampled").to(dev.device).eval()
         drafter_step = TorchStep(d, DRAFTER_INPUTS, drafter_outputs(drafter.cfg.num_layers))
     gamma = drafter.cfg.block_size if drafter is not None else 0
     buckets = Buckets(max_seq, gamma + 1, max(prefill_chunk, gamma + 1), min_context)

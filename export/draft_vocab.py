@@ -1,9 +1,10 @@
-"""The draft vocabulary: the K token ids an exported drafter graph may propose
-(graphs.restrict_vocab, after FR-Spec). The K most frequent tokens of the drafter's
-training responses when its checkpoint directory carries their counts (`token_counts.json`,
-written by `train_drafter.py export`), else the K lowest ids: a byte-level BPE assigns ids
-in merge order, which follows frequency in the tokenizer's own corpus. The target's stop
-tokens are always kept, so that a draft can end where the answer ends."""
+"""The draft vocabulary (after FR-Spec): the K token ids an exported drafter graph may
+propose, and `restrict_vocab`, which cuts a drafter down to them. The K most frequent tokens
+of the drafter's training responses when its checkpoint directory carries their counts
+(`token_counts.json`, written by `train_drafter.py export`), else the K lowest ids: a
+byte-level BPE assigns ids in merge order, which follows frequency in the tokenizer's own
+corpus. The target's stop tokens are always kept, so that a draft can end where the answer
+ends."""
 from __future__ import annotations
 
 import json
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from dspark.runtime.errors import ConfigError
+
+from .drafter import Drafter
 
 COUNTS_FILE = "token_counts.json"
 
@@ -70,3 +74,20 @@ def choose_vocab(size: int, vocab_size: int, keep: Iterable[int],
     rank[keep] = np.iinfo(np.int64).min
     order = np.lexsort((np.arange(vocab_size), rank))  # by rank, then by id
     return torch.from_numpy(np.sort(order[:size]))
+
+
+def restrict_vocab(drafter: Drafter, vocab: torch.Tensor) -> None:
+    """Cut `drafter`'s LM head and Markov output projection, in place, to score only the ids in
+    `vocab` [K] (sorted, distinct), kept as `drafter.vocab`: `Drafter.sequential` then maps its
+    indices to these ids and widens its distributions to the whole vocabulary. On a CPU the
+    [γ, d] x [d, V] LM head is the largest matmul of a drafter pass; proposals are then drawn
+    from the K ids alone, which costs acceptance only where the target's token lies outside
+    them. Acceptance corrects any proposal (dspark.md §1), so the output does not change."""
+    weight = drafter.lm_head.weight[vocab].detach().clone()  # [K, d]
+    drafter.lm_head = nn.Linear(drafter.cfg.hidden_size, len(vocab), bias=False)
+    drafter.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    if drafter.markov_head is not None:
+        w2 = drafter.markov_head.markov_w2.weight[vocab].detach().clone()  # [K, r]
+        drafter.markov_head.markov_w2 = nn.Linear(w2.shape[1], len(vocab), bias=False)
+        drafter.markov_head.markov_w2.weight = nn.Parameter(w2, requires_grad=False)
+    drafter.vocab = vocab

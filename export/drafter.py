@@ -1,10 +1,14 @@
-"""PyTorch reference of the DSpark drafter (dspark.md §2–4).
+"""PyTorch reference of the DSpark drafter (dspark.md §2–4): the one place its math is written.
 
-Parallel backbone with KV injection and a draft-side context cache; vanilla, gated
-and RNN sequential heads; the confidence head. `DraftSession` is the public entry
-point that runs drafting rounds of a checkpoint and keeps the cache between them."""
+`Drafter.backbone` is the parallel pass with KV injection (past context K/V, mask and
+positions given); `Drafter.sequential` the left-to-right Markov stage, serving drawing
+(argmax or inverse-CDF from given uniforms), teacher forcing and the draft vocabulary;
+`Drafter.confidence` the confidence head. `DraftSession` runs drafting rounds of a
+checkpoint and keeps the draft-side context cache between them; the exported drafter graph
+(graphs.DrafterGraph) and the trainer (training.py) call the same methods."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +17,10 @@ from torch import nn
 
 from dspark.runtime.config import DrafterConfig
 from dspark.runtime.errors import InputError
+from dspark.runtime.graph_io import MASKED
+from dspark.runtime.sampling import inverse_cdf
 
-from .layers import MLP, Projections, RMSNorm, rope_cos_sin
+from .layers import MLP, Projections, RMSNorm, attention, group_mask, rope_cos_sin
 from .target import StaticKV
 
 
@@ -68,17 +74,10 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class SequentialOut:
-    tokens: torch.Tensor  # [B, γ] int64
-    logits: torch.Tensor  # [B, γ, V] U + B
-    probs: torch.Tensor  # [B, γ, V] the draft distributions p_d (one-hot at T = 0)
-    confidence_logits: torch.Tensor  # [B, γ]
-
-
-def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [B, V], u [B] in [0, 1) -> the first index whose cumulative mass exceeds u."""
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None].to(cdf.dtype), right=True)[:, 0]
-    return idx.clamp(max=probs.shape[-1] - 1)
+    tokens: torch.Tensor | None  # [B, γ] int64 vocabulary ids drawn (None under teacher forcing)
+    logits: torch.Tensor  # [B, γ, K] U + B (K = V without a draft vocabulary)
+    probs: torch.Tensor | None  # [B, γ, V] the draft distributions p_d (one-hot where greedy)
+    confidence_logits: torch.Tensor  # [B, γ] (zeros without a confidence head)
 
 
 class Drafter(nn.Module):
@@ -94,68 +93,98 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg) if cfg.markov_rank else None
         self.confidence_head = ConfidenceHead(cfg) if cfg.enable_confidence_head else None
+        self.register_buffer("vocab", None, persistent=False)  # [K] the draft vocabulary's ids (restrict_vocab)
 
     def new_cache(self, batch: int, max_seq: int) -> StaticKV:
         c = self.cfg
         return StaticKV.empty(c.num_layers, batch, c.num_kv_heads, max_seq, c.head_dim,
                               dtype=self.fc.weight.dtype)
 
-    def backbone(self, features: torch.Tensor, anchor: torch.Tensor, ctx_start: int, start: int,
-                 cache: StaticKV, floor: int = 0) -> torch.Tensor:
-        """One parallel pass. features [B, n, m*d] are the raw context rows for positions
-        ctx_start..start-1 (n = start - ctx_start); cache holds context K/V for [floor, ctx_start),
-        and positions below `floor` are not attended to. Writes the new context K/V, returns the
-        normed block states h [B, γ, d]."""
+    def block(self, anchor: torch.Tensor) -> torch.Tensor:
+        """anchor [B] -> the block's input ids [B, γ]: the anchor, then γ-1 mask tokens."""
+        masks = torch.full_like(anchor[:, None], self.cfg.mask_token_id).expand(-1, self.cfg.block_size - 1)
+        return torch.cat([anchor[:, None], masks], dim=1)
+
+    def backbone(self, features: torch.Tensor, block_ids: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor, past_keys: Sequence[torch.Tensor] = (), past_values: Sequence[torch.Tensor] = ()
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """One parallel pass (dspark.md §2).
+
+        features [B, n, m·d] raw target features of the new context rows; block_ids [B, S] (one
+        block, or several side by side); positions [B, n + S]: the context rows', then the block
+        rows'; mask [B, 1 or S, P + n + S] additive over the keys [past ; context ; block];
+        past_keys/past_values per layer [B, Hkv, P, D]: the cached context K/V (none: P = 0).
+
+        -> h [B, S, d] the normed block states, and the new context rows' keys and values per
+        layer [B, Hkv, n, D] (what a cache keeps; the block's own K/V are dropped)."""
         c = self.cfg
-        B, n = features.shape[0], features.shape[1]
-        gamma = c.block_size
+        n, S = features.shape[1], block_ids.shape[1]
         ctx = self.hidden_norm(self.fc(features))  # [B, n, d]
-        block = torch.full((B, gamma), c.mask_token_id, dtype=torch.long, device=anchor.device)
-        block[:, 0] = anchor
-        x = self.embed_tokens(block)  # [B, γ, d]
-        ctx_pos = torch.arange(ctx_start, start, device=anchor.device).expand(B, n)
-        blk_pos = torch.arange(start, start + gamma, device=anchor.device).expand(B, gamma)
-        ccos, csin = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta)
-        bcos, bsin = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta)
-        mask = None if floor == 0 else (torch.arange(start + gamma, device=anchor.device) >= floor)[None, None, None]
+        x = self.embed_tokens(block_ids)  # [B, S, d]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, n + S, 1, D]
+        ccos, csin, bcos, bsin = cos[:, :n], sin[:, :n], cos[:, n:], sin[:, n:]
+        mask = group_mask(mask, c.num_heads // c.num_kv_heads, S).to(x.dtype)
+        keys, values = [], []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            ck, cv = attn.key_value(ctx, ccos, csin)  # context rows skip input_layernorm
-            cache.write(i, ctx_pos, ck, cv)
-            h = layer.input_layernorm(x)
-            bk, bv = attn.key_value(h, bcos, bsin)
-            k = torch.cat([cache.k[i, :, :, :start], bk], dim=2)  # [B, Hkv, start+γ, D]
-            v = torch.cat([cache.v[i, :, :, :start], bv], dim=2)
-            x = x + attn.attend(attn.query(h, bcos, bsin), k, v, mask)  # bidirectional, all context from the floor
+            ck, cv = attn.key_value(ctx, ccos, csin)  # context rows: no input_layernorm, no queries
+            q, bk, bv = attn(layer.input_layernorm(x), bcos, bsin)
+            k = torch.cat([ck, bk], dim=1).transpose(1, 2)  # [B, Hkv, n + S, D]
+            v = torch.cat([cv, bv], dim=1).transpose(1, 2)
+            x = x + attn.o_proj(attention(q, [*past_keys[i:i + 1], k], [*past_values[i:i + 1], v], mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            keys.append(k[:, :, :n])
+            values.append(v[:, :, :n])
+        return self.norm(x), keys, values
 
-    def sequential(self, h: torch.Tensor, base_logits: torch.Tensor, anchor: torch.Tensor, temperature: float,
-                   uniforms: torch.Tensor | None, forced: torch.Tensor | None) -> SequentialOut:
-        """Left-to-right stage over h [B, γ, d] and U [B, γ, V]: bias, sample, confidence.
-        uniforms [B, γ] drive inverse-CDF sampling (T > 0); forced [B, γ] replaces the samples."""
-        B, gamma, V = base_logits.shape
-        prev = anchor
+    def sequential(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
+                   temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+                   prev: torch.Tensor | None = None, probs: bool = True) -> SequentialOut:
+        """The γ left-to-right steps (dspark.md §3–4) over h [B, γ, d] and the base logits
+        base [B, γ, K] = lm_head(h): slot k's logits are z_k = U_k + B(prev_k, ·).
+
+        Drawing (prev None): prev_1 is the anchor [B], prev_{k+1} the token drawn at slot k: the
+        argmax where temperature [B] is 0 (every row when it is None), else the inverse-CDF draw
+        of softmax(z_k / T) at uniforms [B, γ]. Teacher forcing: prev [B, γ] given (the anchor,
+        then the ground truth), nothing drawn. With a draft vocabulary (`restrict_vocab`) indices
+        into the K logits are mapped to vocabulary ids. probs: also the draft distributions p_d
+        [B, γ, V] (one-hot where greedy; zero outside the draft vocabulary)."""
+        B, gamma, K = base.shape
+        if temperature is not None:
+            greedy = temperature <= 0  # [B]
+            inv_t = 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature)
+        slots = torch.arange(K, device=base.device)  # [K] indices into the base logits
         state = h.new_zeros(B, self.markov_head.rank) if self.markov_head is not None else None
-        tokens, logits, probs = [], [], []
+        before = anchor
+        biases, tokens, dists = [], [], []
         for k in range(gamma):
-            z = base_logits[:, k]
+            if prev is not None:
+                before = prev[:, k]
             if self.markov_head is not None:
-                bias, state = self.markov_head.step(h[:, k], prev, state)
-                z = z + bias
-            if temperature > 0:
-                p = torch.softmax(z.float() / temperature, dim=-1)
-                tok = sample_inverse_cdf(p, uniforms[:, k]) if forced is None else forced[:, k]
-            else:
-                tok = z.argmax(-1) if forced is None else forced[:, k]
-                p = nn.functional.one_hot(z.argmax(-1), V).float()
-            tokens.append(tok)
-            logits.append(z)
-            probs.append(p)
-            prev = tok
-        tokens_t = torch.stack(tokens, 1)  # [B, γ]
-        conf = self.confidence(h, torch.cat([anchor[:, None], tokens_t[:, :-1]], 1))
-        return SequentialOut(tokens_t, torch.stack(logits, 1), torch.stack(probs, 1), conf)
+                bias, state = self.markov_head.step(h[:, k], before, state)  # [B, K]
+                biases.append(bias)
+            if prev is not None and not probs:
+                continue  # teacher forcing for a loss: the logits are all it needs
+            z = base[:, k] + biases[k] if biases else base[:, k]  # [B, K]
+            top = torch.argmax(z, dim=-1)  # [B]
+            idx, p = top, (slots[None, :] == top[:, None]).to(z.dtype)  # argmax, one-hot
+            if temperature is not None:
+                soft = torch.softmax(z.float() * inv_t[:, None], dim=-1)
+                if prev is None:
+                    idx = torch.where(greedy, top, inverse_cdf(soft, uniforms[:, k]))
+                p = torch.where(greedy[:, None], p, soft)
+            if prev is None:
+                before = idx if self.vocab is None else self.vocab[idx]  # [B] vocabulary ids
+                tokens.append(before)
+            if probs:  # [B, K] -> [B, V], zero outside the draft vocabulary
+                dists.append(p if self.vocab is None else
+                             p.new_zeros(B, self.cfg.vocab_size).scatter(1, self.vocab[None, :].expand(B, K), p))
+        logits = base + torch.stack(biases, 1) if biases else base  # [B, γ, K]
+        drawn = torch.stack(tokens, 1) if prev is None else None  # [B, γ]
+        if prev is None:
+            prev = torch.cat([anchor[:, None], drawn[:, :-1]], 1)
+        conf = self.confidence(h, prev)  # after the loop: one matmul over the block
+        return SequentialOut(drawn, logits, torch.stack(dists, 1) if probs else None, conf)
 
     def confidence(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h [B, γ, d], prev [B, γ] (the token before each slot: the anchor, then the drafts) ->
@@ -226,15 +255,22 @@ class DraftSession:
         if temperature > 0 and forced is None and uniforms is None:
             raise InputError("draft round: temperature > 0 needs `uniforms` [γ] or `forced_tokens`")
         u = None if uniforms is None else torch.as_tensor(np.asarray(uniforms), dtype=torch.float64).reshape(1, gamma)
-        h = d.backbone(feats, anchor_t, self.cache_len, start, self.cache, floor)
-        base = d.lm_head(h)  # [1, γ, V]
-        out = d.sequential(h, base, anchor_t, temperature, u, forced)
+        positions = torch.arange(self.cache_len, start + gamma)[None]  # [1, n + γ]
+        mask = torch.zeros(1, 1, start + gamma, dtype=dtype)  # keys [past ; context ; block]
+        mask[..., :floor] = MASKED
+        h, keys, values = d.backbone(feats, d.block(anchor_t), positions, mask, *self.cache.past(self.cache_len))
+        self.cache.write(self.cache_len, keys, values)
         self.cache_len = start
+        base = d.lm_head(h)  # [1, γ, V]
+        temp = None if temperature == 0 else torch.tensor([temperature], dtype=torch.float32)
+        prev = None if forced is None else torch.cat([anchor_t[:, None], forced[:, :-1]], 1)
+        out = d.sequential(h, base, anchor_t, temp, u, prev)
+        tokens = out.tokens if forced is None else forced
 
         def np32(t: torch.Tensor) -> np.ndarray:
             return t[0].float().numpy()
 
-        return DraftResult(out.tokens[0].numpy(), np32(base), np32(out.logits), np32(out.probs),
+        return DraftResult(tokens[0].numpy(), np32(base), np32(out.logits), np32(out.probs),
                            np32(out.confidence_logits))
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 import onnx
 import torch
 
+from dspark.runtime.graph_io import DRAFTER_INPUTS, PAST, TARGET_INPUTS, drafter_outputs, kv_names, target_outputs
+
 from .drafter import Drafter
-from .graphs import DRAFTER_INPUTS, TARGET_INPUTS, DrafterGraph, TargetGraph, drafter_outputs, kv_names, target_outputs
+from .graphs import DrafterGraph, TargetGraph
 from .target import TargetModel
 
 OPSET = 18
@@ -30,7 +32,7 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
     args = (torch.zeros(_B, _S, dtype=torch.long), torch.arange(_P, _P + _S).expand(_B, _S).contiguous(),
             torch.zeros(_B, _K, dtype=torch.long), torch.zeros(_B, _P), *kv)
-    inputs = [*TARGET_INPUTS, *kv_names("past", L)]
+    inputs = [*TARGET_INPUTS, *kv_names(PAST, L)]
     outputs = target_outputs(L)
     b, s, p, smax, k = (torch.export.Dim(n, min=1, max=m) for n, m in
                         (("batch", 256), ("query", 4096), ("past", 65536), ("max_seq", 65536), ("rows", 4096)))
@@ -44,14 +46,14 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
 
 def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: torch.Tensor | None = None) -> list[str]:
     """branch: the sequential stage's form (graphs.SequentialStage); every form has the same inputs.
-    vocab: a draft vocabulary [K] (graphs.restrict_vocab), or None for the whole vocabulary."""
+    vocab: a draft vocabulary [K] (draft_vocab.restrict_vocab), or None for the whole vocabulary."""
     c = drafter.cfg
     L, gamma = c.num_layers, c.block_size
     kv = [torch.zeros(_B, c.num_kv_heads, _SMAX, c.head_dim) for _ in range(2 * L)]
     args = (torch.zeros(_B, _S, c.feature_dim), torch.arange(_P, _P + _S + gamma).expand(_B, -1).contiguous(),
             torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P),
             torch.zeros(_B, _S), *kv)
-    inputs = [*DRAFTER_INPUTS, *kv_names("past", L)]
+    inputs = [*DRAFTER_INPUTS, *kv_names(PAST, L)]
     outputs = drafter_outputs(L, probs=branch != "greedy")
     b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))

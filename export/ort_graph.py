@@ -1,17 +1,20 @@
 """The target as an ONNX Runtime-specific graph, built node by node with onnx.helper.
 
 The portable graph (graphs.TargetGraph) uses standard ONNX ops only, so TensorRT can
-parse it. On ONNX Runtime's CPU provider its ~1,900 small nodes cost several ms a step,
-so the ORT backend runs this variant instead: per layer one fused RMSNorm+residual
+parse it; on ONNX Runtime's CPU provider its many small nodes are slow, so the ORT backend
+runs this variant instead: per layer one fused RMSNorm+residual
 (`SkipSimplifiedLayerNormalization`), one q/k/v projection and one
 `GroupQueryAttention` that applies RoPE and writes the new K/V rows in place into the
 static cache buffer it is given (past and present bound to the same memory).
+It is the one deliberate second lowering of `TargetModel.forward`: the torch exporter
+cannot emit these contrib ops, so it is written here, and the parity tests
+(tests/test_ort_runtime.py, tests/test_default_bundle.py) pin it to the reference.
 
 inputs:  input_ids [B, S] int64, logit_index [B, K] int64, seqlens_k [B] int32 (the last
          position written, = P + S - 1), total_len [] int32 (= P + S),
          past_key_i / past_value_i [B, Hkv, S_max, D]
 outputs: logits [B, K, V], features [B, S, m*d], present_key_i / present_value_i
-         (the same buffers as past_*, bound by the runtime)"""
+         (the same buffers as past_*, bound by the runtime); names from graph_io"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +25,12 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from dspark.runtime.graph_io import PAST, TARGET_ORT_INPUTS, kv_names, target_ort_outputs
+
+from .layers import rope_cos_sin
 from .onnx_export import graph_ops
-from .tensorrt_ops import walk_nodes
 from .target import TargetModel
+from .tensorrt_ops import walk_nodes
 
 MS = "com.microsoft"
 
@@ -54,18 +60,19 @@ class _Builder:
 def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> onnx.ModelProto:
     c = model.cfg
     L, H, Hkv, D, eps = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    ids_in, index_in, seqlens_in, total_in = TARGET_ORT_INPUTS
+    past, (logits_out, features_out, *present) = kv_names(PAST, L), target_ort_outputs(L)
     g = _Builder()
     embed = g.weight("embed_tokens", model.embed_tokens.weight)
-    inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
-    freqs = np.arange(c.max_position_embeddings, dtype=np.float32)[:, None] * inv_freq  # [max_pos, D/2]
-    cos, sin = g.weight("cos_cache", np.cos(freqs)), g.weight("sin_cache", np.sin(freqs))
+    cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings)[None], D, c.rope_theta)  # [1, max_pos, 1, D]
+    cos, sin = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
     if c.qk_norm:
         shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
         shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
         shape_flat = g.weight("shape_flat", np.array([0, 0, -1], np.int64))
         splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
 
-    resid = g.op("Gather", [embed, "input_ids"], "resid_0")  # [B, S, d]
+    resid = g.op("Gather", [embed, ids_in], "resid_0")  # [B, S, d]
     feats = [resid] if -1 in feature_layer_ids else []
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
              "h_0", axis=-1, epsilon=eps)
@@ -86,8 +93,8 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
         else:
             attn_in = [qkv, "", ""]  # packed q/k/v
         o = g.op("GroupQueryAttention",
-                 [*attn_in, f"past_key_{i}", f"past_value_{i}", "seqlens_k", "total_len", cos, sin],
-                 [f"attn_{i}", f"present_key_{i}", f"present_value_{i}"], domain=MS,
+                 [*attn_in, past[i], past[L + i], seqlens_in, total_in, cos, sin],
+                 [f"attn_{i}", present[i], present[L + i]], domain=MS,
                  num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
         o = g.op("MatMul", [o, g.weight(f"o_{i}", a.o_proj.weight.T)], f"o_{i}")
         h = g.op("SkipSimplifiedLayerNormalization",
@@ -107,30 +114,28 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
         resid = f"resid_{i + 1}"  # the output of layer i
         if i in feature_layer_ids:
             feats.append(resid)
-    features = g.op("Concat", feats, "features", axis=-1) if feats else g.op("Identity", [resid], "features")
+    features = g.op("Concat", feats, features_out, axis=-1) if feats else g.op("Identity", [resid], features_out)
     d = c.hidden_size
-    idx = g.op("Unsqueeze", ["logit_index", g.weight("axis_last", np.array([-1], np.int64))], "idx3")
-    idx = g.op("Expand", [idx, g.op("Concat", [g.op("Shape", ["logit_index"], "idx_shape"),
+    idx = g.op("Unsqueeze", [index_in, g.weight("axis_last", np.array([-1], np.int64))], "idx3")
+    idx = g.op("Expand", [idx, g.op("Concat", [g.op("Shape", [index_in], "idx_shape"),
                                                g.weight("hidden", np.array([d], np.int64))], "idx_full", axis=0)],
                "idx_exp")
     rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
     flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
     lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
     logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
-    out_shape = g.op("Concat", [g.op("Shape", ["logit_index"], "k_shape"),
+    out_shape = g.op("Concat", [g.op("Shape", [index_in], "k_shape"),
                                 g.weight("vocab", np.array([c.vocab_size], np.int64))], "logits_shape", axis=0)
-    g.op("Reshape", [logits, out_shape], "logits")
+    g.op("Reshape", [logits, out_shape], logits_out)
 
-    kv = [f"{p}_{k}_{i}" for p in ("past",) for k in ("key", "value") for i in range(L)]
-    inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "query"]),
-              helper.make_tensor_value_info("logit_index", TP.INT64, ["batch", "rows"]),
-              helper.make_tensor_value_info("seqlens_k", TP.INT32, ["batch"]),
-              helper.make_tensor_value_info("total_len", TP.INT32, []),
-              *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in kv]]
-    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", "rows", c.vocab_size]),
-               helper.make_tensor_value_info("features", TP.FLOAT, ["batch", "query", None]),
-               *[helper.make_tensor_value_info(n.replace("past", "present"), TP.FLOAT, ["batch", Hkv, "max_seq", D])
-                 for n in kv]]
+    inputs = [helper.make_tensor_value_info(ids_in, TP.INT64, ["batch", "query"]),
+              helper.make_tensor_value_info(index_in, TP.INT64, ["batch", "rows"]),
+              helper.make_tensor_value_info(seqlens_in, TP.INT32, ["batch"]),
+              helper.make_tensor_value_info(total_in, TP.INT32, []),
+              *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in past]]
+    outputs = [helper.make_tensor_value_info(logits_out, TP.FLOAT, ["batch", "rows", c.vocab_size]),
+               helper.make_tensor_value_info(features_out, TP.FLOAT, ["batch", "query", None]),
+               *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in present]]
     graph = helper.make_graph(g.nodes, "dspark_target_ort", inputs, outputs, g.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
                              producer_name="dspark-trt")
@@ -150,12 +155,10 @@ def export_drafter_ort(portable: Path, path: Path) -> list[str]:
     """The drafter graph with every constant-weight MatMul/Gemm dynamically quantized to int8
     (ONNX Runtime's `quantize_dynamic`: int8 weights per tensor, uint8 activations scaled per
     call; VNNI kernels on x86). The drafter's LM head and Markov head are memory-bound GEMVs,
-    so this cuts a drafter pass about 2x on CPU. The sequential stage's matmuls sit inside the
-    `If` of its greedy/sampled branches and are quantized too (`EnableSubgraph`): its 7 Markov
-    GEMVs each read the [V, r] matrix; with them in int8 the engine's drafter calls took 3.17 ms
-    inside ONNX Runtime instead of 3.62 (`scripts/bench_ort.py`, SmolLM2, the 2-core VM,
-    2026-12-02 15:50 and 16:22 UTC). Only the proposal distribution changes, and acceptance
-    corrects for any proposal (dspark.md §1): losslessness does not depend on it.
+    which int8 weights speed up on a CPU. The sequential stage's matmuls sit inside the `If`
+    of its greedy/sampled branches and are quantized too (`EnableSubgraph`): each of its γ
+    Markov GEMVs reads the [V, r] matrix. Only the proposal distribution changes, and
+    acceptance corrects for any proposal (dspark.md §1): losslessness does not depend on it.
 
     The quantizer drops node metadata; it is copied back by node name, so that profiles can
     still attribute each node to its module (the sequential stage's nodes in particular)."""

@@ -1,42 +1,20 @@
-"""PyTorch reference of the target decoder (Llama and Qwen3 families).
-
-Written to be read and exported: a static, preallocated KV cache written at explicit
-positions, and context features taken from chosen layers (dspark.md §2)."""
+"""PyTorch reference of the target decoder (Llama and Qwen3 families): the one place its
+math is written. `TargetModel.forward` takes everything explicitly (positions, the past
+K/V with its additive mask, the rows whose logits are wanted) and returns the new K/V rows;
+`StaticKV` is the reference's preallocated cache around it. The exported target graph
+(graphs.TargetGraph) calls the same forward."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from dspark.runtime.config import TargetConfig
+from dspark.runtime.graph_io import MASKED
 
-from .layers import MLP, Projections, RMSNorm, rope_cos_sin
-
-
-@dataclass
-class StaticKV:
-    """Preallocated cache; rows are written at their absolute positions."""
-
-    k: torch.Tensor  # [L, B, Hkv, S_max, D]
-    v: torch.Tensor  # [L, B, Hkv, S_max, D]
-
-    @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
-              dtype: torch.dtype = torch.float32) -> "StaticKV":
-        shape = (layers, batch, kv_heads, max_seq, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-
-    @property
-    def max_seq(self) -> int:
-        return self.k.shape[3]
-
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, Hkv, S, D] go to rows `positions` [B, S] of `layer` (cast to the cache's
-        dtype: under bf16 autocast the projections come out in bf16)."""
-        for b in range(k.shape[0]):
-            self.k[layer, b].index_copy_(1, positions[b], k[b].to(self.k.dtype))
-            self.v[layer, b].index_copy_(1, positions[b], v[b].to(self.v.dtype))
+from .layers import MLP, Projections, RMSNorm, attention, group_mask, rope_cos_sin
 
 
 class TargetLayer(nn.Module):
@@ -50,8 +28,6 @@ class TargetLayer(nn.Module):
 
 
 class TargetModel(nn.Module):
-    """`forward(tokens, positions, cache)` -> logits [B, S, V], features [B, S, m*d]."""
-
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.cfg = cfg
@@ -67,25 +43,79 @@ class TargetModel(nn.Module):
         return StaticKV.empty(c.num_layers, batch, c.num_kv_heads, max_seq, c.head_dim,
                               dtype=self.embed_tokens.weight.dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKV,
-                feature_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """tokens, positions [B, S]. Every row below a query's position must already be in
-        `cache` (committed); rows at `positions` are written. Stale rows above are masked."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past_mask: torch.Tensor,
+                past_keys: Sequence[torch.Tensor], past_values: Sequence[torch.Tensor],
+                logit_index: torch.Tensor | None = None, feature_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """input_ids, positions [B, S] (the new rows, causal among themselves); past_mask [B, P]
+        additive over the committed rows whose K/V are past_keys/past_values (per layer
+        [B, Hkv, P, D]); logit_index [B, K]: the rows whose logits are wanted (None: all).
+
+        -> logits [B, K, V], features [B, S, m·d] (the outputs of `feature_layer_ids`, -1 = the
+        embedding; zero width without), new keys and values per layer [B, Hkv, S, D]."""
         c = self.cfg
-        x = self.embed_tokens(tokens)  # [B, S, d]
+        B, S = input_ids.shape
+        P = past_mask.shape[1]
+        x = self.embed_tokens(input_ids)  # [B, S, d]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        span = int(positions.max()) + 1
-        key_pos = torch.arange(span, device=tokens.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, S, span]
+        idx = torch.arange(S, device=input_ids.device)
+        causal = torch.where(idx[None, :] <= idx[:, None], 0.0, MASKED)  # [S, S]
+        mask = torch.cat([past_mask[:, None, :].expand(B, S, P), causal.expand(B, S, S)], dim=-1)  # [B, S, P+S]
+        mask = group_mask(mask, c.num_heads // c.num_kv_heads, S).to(x.dtype)
         feats = [x] if -1 in feature_layer_ids else []
+        keys, values = [], []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            k, v = attn.key_value(h, cos, sin)  # [B, Hkv, S, D]
-            cache.write(i, positions, k, v)
-            x = x + attn.attend(attn.query(h, cos, sin), cache.k[i, :, :, :span], cache.v[i, :, :, :span], mask)
+            q, k, v = attn(layer.input_layernorm(x), cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
+            x = x + attn.o_proj(attention(q, [past_keys[i], k], [past_values[i], v], mask))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in feature_layer_ids:
                 feats.append(x)
-        logits = self.lm_head(self.norm(x))  # [B, S, V]
-        return logits, (torch.cat(feats, dim=-1) if feats else None)
+            keys.append(k)
+            values.append(v)
+        features = torch.cat(feats, dim=-1) if feats else x[..., :0]
+        if logit_index is not None:
+            x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, d]
+        return self.lm_head(self.norm(x)), features, keys, values
+
+
+@dataclass
+class StaticKV:
+    """A preallocated cache of the reference models; rows are written at their absolute positions."""
+
+    k: torch.Tensor  # [L, B, Hkv, S_max, D]
+    v: torch.Tensor  # [L, B, Hkv, S_max, D]
+
+    @classmethod
+    def empty(cls, layers: int, batch: int, kv_heads: int, max_seq: int, head_dim: int,
+              dtype: torch.dtype = torch.float32) -> StaticKV:
+        shape = (layers, batch, kv_heads, max_seq, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def max_seq(self) -> int:
+        return self.k.shape[3]
+
+    def past(self, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the committed rows [0, length): keys and values per layer [B, Hkv, length, D]."""
+        return list(self.k[:, :, :, :length]), list(self.v[:, :, :, :length])
+
+    def write(self, start: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """keys, values per layer [B, Hkv, S, D] go to rows start..start+S-1 (cast to the cache's
+        dtype: under bf16 autocast the projections come out in bf16)."""
+        S = keys[0].shape[2]
+        self.k[:, :, :, start:start + S] = torch.stack(list(keys)).to(self.k.dtype)
+        self.v[:, :, :, start:start + S] = torch.stack(list(values)).to(self.v.dtype)
+
+    def run(self, model: TargetModel, input_ids: torch.Tensor, start: int,
+            feature_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """`model` over input_ids [B, S] at positions start..start+S-1 of every row, reading the
+        committed rows [0, start) and writing its new ones -> logits [B, S, V], features [B, S, m·d]."""
+        B, S = input_ids.shape
+        positions = torch.arange(start, start + S, device=input_ids.device).expand(B, S)
+        past_mask = torch.zeros(B, start, device=input_ids.device)
+        logits, features, keys, values = model(input_ids, positions, past_mask, *self.past(start),
+                                               feature_layer_ids=feature_layer_ids)
+        self.write(start, keys, values)
+        return logits, features

@@ -41,11 +41,9 @@ class TorchBackend:
     def _row(self, slot: int, tokens: np.ndarray, start: int, kind: str = "target") -> tuple[np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[None]  # [1, S]
-        pos = torch.arange(start, start + ids.shape[1])[None]  # [1, S]
-        logits, feats = self.model(ids, pos, self.caches[slot], self.feature_ids)
-        feats_np = feats[0].float().numpy() if feats is not None else np.zeros((ids.shape[1], 0), np.float32)
+        logits, feats = self.caches[slot].run(self.model, ids, start, self.feature_ids)
         self._timed(kind, "target", t0, {"input_ids": ids.numpy()})
-        return logits[0].float().numpy(), feats_np  # [S, V], [S, F]
+        return logits[0].float().numpy(), feats[0].float().numpy()  # [S, V], [S, F]
 
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
         logits, feats = self._row(slot, tokens, 0, "prefill")

@@ -260,8 +260,7 @@ def target_states(target: TargetModel, tokens: torch.Tensor, layer_ids: Sequence
         B, T = tokens.shape
         dev = target.embed_tokens.weight.device
         with torch.inference_mode():
-            _, feats = target(tokens.to(dev), torch.arange(T, device=dev).expand(B, T), _cache_on(target, B, T, dev),
-                              tuple(layer_ids))
+            _, feats = _cache_on(target, B, T, dev).run(target, tokens.to(dev), 0, tuple(layer_ids))
     finally:
         handle.remove()
     return feats, captured["h"]
@@ -328,7 +327,7 @@ def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache
     last hidden states in `cache_dir/feats-NNNNN.safetensors` + `index.jsonl`. Resumable: an
     index entry is written only after its shard is complete. Returns the records added.
     `compute` "bf16" runs the target's matmuls under bf16 autocast (residual stream in fp32;
-    ~3x faster on an AVX512-bf16 CPU); it is recorded, and a cache never mixes the two."""
+    faster on a CPU with bf16 instructions); it is recorded, and a cache never mixes the two."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 

@@ -5,14 +5,13 @@ The pieces, in the order a step uses them:
 1. `sample_anchors` / `build_blocks`: anchors p drawn from the response (p and p+1 both
    response tokens); block inputs [x_p, mask, …, mask] at positions p..p+γ-1; slot k
    (0-based) targets x[p+1+k]; a slot is supervised only while the response lasts.
-2. `draft_block_states`: the drafter's parallel backbone for many anchors of a sequence at
-   once. Every block's queries see the context rows 0..p-1 of its own anchor and the γ rows
-   of its own block (one boolean mask, `scaled_dot_product_attention`). It runs the very
-   submodules of `Drafter` (fc, hidden_norm, Projections.query/key_value/attend, MLP, norms),
-   so the weights trained here are exactly the inference model's (`DraftSession`).
-3. `teacher_forced_heads`: base logits U = lm_head(h), the Markov bias B with the ground-
-   truth previous token (the anchor for slot 0; RNN state threaded across slots), the
-   corrected logits U + B and the confidence logits.
+2. `draft_block_states`: `Drafter.backbone` for many anchors of a sequence at once. Every
+   block's queries see the context rows 0..p-1 of its own anchor and the γ rows of its own
+   block (one additive mask), so the weights trained here are exactly the inference model's
+   (`DraftSession`, the exported graph).
+3. `teacher_forced_heads`: base logits U = lm_head(h), then `Drafter.sequential` with the
+   ground-truth previous tokens (the anchor for slot 0; RNN state threaded across slots):
+   the corrected logits U + B and the confidence logits.
 4. `draft_losses`: per-slot weights w_k = exp(-k/λ) on valid slots; weighted means of
    CE(p_d, x*), ‖p_d − p_t‖₁ and BCE(sigmoid(c), c*) with c* = 1 − ½‖p_d − p_t‖₁ (detached).
    p_t = softmax(lm_head(target's final-normed last hidden state)) at T = 1. DFlash: CE only.
@@ -42,10 +41,10 @@ import torch.nn.functional as F
 
 from dspark.runtime.config import MARKOV_HEAD_TYPES, DrafterConfig, TargetConfig
 from dspark.runtime.errors import CheckpointError, ConfigError
+from dspark.runtime.graph_io import MASKED
 
 from .checkpoint import SHARED, load_drafter, read_config, save_drafter
 from .drafter import SMOLLM2_MASK_TOKEN_ID, Drafter, init_drafter
-from .layers import rope_cos_sin
 from .target import TargetModel
 
 MAX_ANCHORS = 512  # DeepSpec's cap per sequence (dspark.md §6)
@@ -414,48 +413,34 @@ def make_batch(data: SequenceSource, plan: BatchPlan, step: int, cfg: TrainConfi
 # --- Forward ----------------------------------------------------------------------------------------
 
 
-def context_states(drafter: Drafter, features: torch.Tensor) -> torch.Tensor:
-    """Raw target features [B, T, m·d] -> hidden_norm(fc(features)) [B, T, d]."""
-    return drafter.hidden_norm(drafter.fc(features.to(drafter.fc.weight.dtype)))
-
-
 def block_attention_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """anchors [B, A] -> mask [B, 1, A·γ, T + A·γ] (True = attend). Query (a, k) sees the
-    context rows j < p_a and the γ rows of its own block (bidirectional)."""
+    """anchors [B, A] -> additive mask [B, A·γ, T + A·γ] over the keys [context ; blocks]. Query
+    (a, k) sees the context rows j < p_a and the γ rows of its own block (bidirectional)."""
     B, A = anchors.shape
     dev = anchors.device
     ctx = torch.arange(context_len, device=dev)[None, None, :] < anchors[:, :, None]  # [B, A, T]
     ctx = ctx[:, :, None, :].expand(B, A, block_size, context_len).reshape(B, A * block_size, context_len)
     owner = torch.arange(A, device=dev).repeat_interleave(block_size)  # [A·γ] block of each row
     own = (owner[:, None] == owner[None, :]).expand(B, -1, -1)  # [B, A·γ, A·γ]
-    return torch.cat([ctx, own], dim=-1)[:, None]
+    return torch.where(torch.cat([ctx, own], dim=-1), 0.0, MASKED)
 
 
 def draft_block_states(drafter: Drafter, features: torch.Tensor, anchors: torch.Tensor, inputs: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:
-    """The parallel backbone for all anchors at once (training path of `Drafter.backbone`).
+    """`Drafter.backbone` for all anchors of a sequence at once: every position's features are
+    context rows, the blocks sit side by side, and `block_attention_mask` keeps each block to
+    its own anchor's context and its own rows; nothing is cached.
 
     features [B, T, m·d] raw target features of every position; anchors [B, A];
     inputs, positions [B, A, γ] -> normed block states h [B, A, γ, d]."""
-    c = drafter.cfg
     B, T = features.shape[:2]
     A, gamma = inputs.shape[1:]
-    dev = features.device
-    ctx = context_states(drafter, features)  # [B, T, d]; context rows skip input_layernorm
-    ccos, csin = rope_cos_sin(torch.arange(T, device=dev).expand(B, T), c.head_dim, c.rope_theta)
-    bcos, bsin = rope_cos_sin(positions.reshape(B, A * gamma), c.head_dim, c.rope_theta)
-    mask = block_attention_mask(anchors, T, gamma)  # [B, 1, A·γ, T + A·γ]
-    x = drafter.embed_tokens(inputs.reshape(B, A * gamma))  # [B, A·γ, d]
-    for layer in drafter.layers:
-        attn = layer.self_attn
-        ck, cv = attn.key_value(ctx, ccos, csin)  # [B, Hkv, T, D]
-        h = layer.input_layernorm(x)
-        bk, bv = attn.key_value(h, bcos, bsin)  # [B, Hkv, A·γ, D]
-        k = torch.cat([ck, bk], dim=2)  # [B, Hkv, T + A·γ, D]
-        v = torch.cat([cv, bv], dim=2)
-        x = x + attn.attend(attn.query(h, bcos, bsin), k, v, mask)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return drafter.norm(x).reshape(B, A, gamma, -1)
+    features = features.to(drafter.fc.weight.dtype)
+    ctx_pos = torch.arange(T, device=features.device).expand(B, T)
+    mask = block_attention_mask(anchors, T, gamma)  # [B, A·γ, T + A·γ]
+    h, _, _ = drafter.backbone(features, inputs.reshape(B, A * gamma),
+                               torch.cat([ctx_pos, positions.reshape(B, A * gamma)], dim=1), mask)
+    return h.reshape(B, A, gamma, -1)
 
 
 @dataclass
@@ -466,22 +451,12 @@ class HeadOutputs:
 
 
 def teacher_forced_heads(drafter: Drafter, h: torch.Tensor, prev: torch.Tensor) -> HeadOutputs:
-    """h [N, γ, d] normed block states; prev [N, γ] ground-truth previous tokens -> logits.
-    Same order of operations as `Drafter.sequential` (z = U + B, state threaded across slots)."""
-    N, gamma, _ = h.shape
+    """h [N, γ, d] normed block states; prev [N, γ] ground-truth previous tokens -> logits:
+    `Drafter.sequential` teacher-forced (the Markov state threaded across slots)."""
     base = drafter.lm_head(h)  # [N, γ, V]
-    mh = drafter.markov_head
-    if mh is None:
-        logits = base
-    else:
-        state = h.new_zeros(N, mh.rank)  # [N, r] RNN state s_0 = 0
-        bias = []
-        for k in range(gamma):
-            b, state = mh.step(h[:, k], prev[:, k], state)  # [N, V]
-            bias.append(b)
-        logits = base + torch.stack(bias, dim=1)
-    conf = drafter.confidence(h, prev) if drafter.confidence_head is not None else None  # [N, γ]
-    return HeadOutputs(base, logits, conf)
+    out = drafter.sequential(h, base, prev[:, 0], prev=prev, probs=False)
+    conf = out.confidence_logits if drafter.confidence_head is not None else None  # [N, γ]
+    return HeadOutputs(base, out.logits, conf)
 
 
 # --- Losses -----------------------------------------------------------------------------------------
@@ -516,8 +491,7 @@ class DistillLoss(torch.autograd.Function):
     l1 are detached. The gradient with respect to the logits, a·(p_d − onehot(x*)) +
     b·p_d ⊙ (s − ⟨p_d, s⟩) with s = sign(p_d − p_t), is formed in the forward pass chunk by
     chunk, so the [M, V] intermediates of the plain autograd graph (log-softmax, probabilities,
-    differences, signs and their backward passes, ~0.5 GB each in the shipped config's step)
-    never exist."""
+    differences, signs and their backward passes) never exist."""
 
     CHUNK = 16  # rows: a [16, 49152] fp32 temporary is 3 MB
 
@@ -592,10 +566,9 @@ def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, t
 
 def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = False, exact_top: int = 16) -> torch.Tensor:
     """The target's logits lm_head(hidden): weight [V, d], hidden [N, γ, d] -> [N, γ, V] fp32, for
-    the token after each slot. With `bf16` the GEMM runs in bf16 (4.3x the fp32 rate on one
-    thread of this project's AVX512-bf16 CPU) and the `exact_top` largest logits of each row,
-    which carry nearly all of the distribution's mass, are recomputed in fp32; the rest keep
-    bf16's rounding (relative 2^-9)."""
+    the token after each slot. With `bf16` the GEMM runs in bf16 (faster on a CPU with bf16
+    instructions) and the `exact_top` largest logits of each row, which carry nearly all of the
+    distribution's mass, are recomputed in fp32; the rest keep bf16's rounding (relative 2^-9)."""
     w = weight.float()
     if not bf16:
         return hidden.float() @ w.T
@@ -608,10 +581,9 @@ def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = Fals
 def compute_loss(drafter: Drafter, batch: TrainBatch, cfg: TrainConfig,
                  weight_total: torch.Tensor | float | None = None) -> LossTerms:
     """Backbone -> heads -> losses for one (micro-)batch. Under bf16 autocast the backbone and
-    the draft heads' matmuls run in bf16 (fp32 accumulation; 3.7x the fp32 rate measured for
-    the LM-head GEMM on one thread of this project's AVX512-bf16 CPU), and so does the target's
-    LM head but for the largest logits of each row (`teacher_logits`); the softmaxes and the
-    losses stay in fp32."""
+    the draft heads' matmuls run in bf16 (fp32 accumulation), and so does the target's LM head
+    but for the largest logits of each row (`teacher_logits`); the softmaxes and the losses
+    stay in fp32."""
     h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions)  # [B, A, γ, d]
     h = h.flatten(0, 1).float()  # [N = B·A, γ, d]; padding anchors' slots are invalid (weight 0)
     B, T = batch.final_hidden.shape[:2]

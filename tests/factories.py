@@ -99,9 +99,8 @@ def copy_drafter(target: TargetModel, block_size: int = 4, seed: int = 1, boost:
 def reference_logits(target: TargetModel, prompt: list[int], generated: list[int]):
     """Logits [len(generated), V] that produced each generated token, in one full forward."""
     ids = torch.tensor([prompt + generated[:-1]])
-    pos = torch.arange(ids.shape[1])[None]
     with torch.inference_mode():
-        logits, _ = target(ids, pos, target.new_cache(1, ids.shape[1]))
+        logits, _ = target.new_cache(1, ids.shape[1]).run(target, ids, 0)
     return logits[0, len(prompt) - 1:].float().numpy()
 
 

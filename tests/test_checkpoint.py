@@ -44,8 +44,7 @@ def _sequence(target) -> list[int]:
 def _features(target, tokens: list[int], layer_ids) -> np.ndarray:
     """Raw context features [len(tokens), m*d] of the target (one full forward)."""
     with torch.no_grad():
-        _, feats = target(torch.tensor([tokens]), torch.arange(len(tokens))[None],
-                          target.new_cache(1, len(tokens)), tuple(layer_ids))
+        _, feats = target.new_cache(1, len(tokens)).run(target, torch.tensor([tokens]), 0, tuple(layer_ids))
     return feats[0].numpy()
 
 

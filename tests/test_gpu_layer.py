@@ -11,7 +11,7 @@ from dspark.export import TorchBackend
 from dspark.export.cuda_graph_backend import cuda_graph_backend
 from dspark.runtime import BackendError, FixedLength, InputError, SamplingParams, StaticThreshold, generate
 from dspark.runtime.backends.gpu.buckets import Buckets, past_mask
-from dspark.runtime.kv import MASKED
+from dspark.runtime.graph_io import MASKED
 from dspark.runtime.tools.parity import greedy_match
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 42, 42, 9, 17, 60, 5, 6, 7, 8, 9, 10], [70]]

@@ -1,7 +1,8 @@
 """Preallocated KV slots: per-row writes at per-row positions, padding past the end dropped."""
 import numpy as np
 
-from dspark.runtime.kv import MASKED, KVBuffers, row_mask
+from dspark.runtime.graph_io import MASKED
+from dspark.runtime.kv import KVBuffers, row_mask
 
 
 def test_rows_go_to_their_slots_and_positions():

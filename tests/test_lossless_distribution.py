@@ -104,8 +104,7 @@ class Tables:
     @torch.inference_mode()
     def _forward(self, seq: list[int]):
         cache = self.target.new_cache(1, 32)
-        logits, feats = self.target(torch.tensor([seq]), torch.arange(len(seq))[None], cache,
-                                    self.drafter.cfg.target_layer_ids)
+        logits, feats = cache.run(self.target, torch.tensor([seq]), 0, self.drafter.cfg.target_layer_ids)
         return logits[0].numpy(), feats[0].numpy()
 
     def p_t(self, gen: tuple) -> np.ndarray:

@@ -62,7 +62,7 @@ def _ours_incremental(model, tokens: torch.Tensor, layer_ids: tuple[int, ...]):
     with torch.no_grad():
         for toks, start in _calls(tokens, model.cfg.vocab_size):
             pos = torch.arange(start, start + len(toks))
-            lg, ft = model(toks[None], pos[None], cache, layer_ids)
+            lg, ft = cache.run(model, toks[None], start, layer_ids)
             keep = pos < SEQ_LEN
             logits[pos[keep]] = lg[0, keep]
             feats[pos[keep]] = ft[0, keep]
@@ -129,13 +129,13 @@ def test_prefill_alone_matches_full_forward(tmp_path):
     tokens = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
     layer_ids = (-1, 1, 2)
     with torch.no_grad():
-        lg, ft = model(tokens, torch.arange(9)[None], model.new_cache(1, 9), layer_ids)
+        lg, ft = model.new_cache(1, 9).run(model, tokens, 0, layer_ids)
         ref = hf(tokens, output_hidden_states=True)
     assert (lg - ref.logits).abs().max().item() <= 1e-4
     ref_feats = torch.cat([ref.hidden_states[i + 1] for i in layer_ids], dim=-1)
     assert (ft - ref_feats).abs().max().item() <= 1e-4
-    _, none = model(tokens, torch.arange(9)[None], model.new_cache(1, 9))
-    assert none is None
+    _, none = model.new_cache(1, 9).run(model, tokens, 0)
+    assert none.shape == (1, 9, 0)
 
 
 def test_bad_target_directories(tmp_path):
@@ -182,13 +182,13 @@ def test_smollm2_gguf_matches_transformers(smollm2, smollm2_hf):
     cache = model.new_cache(1, n + steps)
     seq = list(prompt)
     with torch.no_grad():
-        lg, ft = model(torch.tensor([prompt]), torch.arange(n)[None], cache, layer_ids)
+        lg, ft = cache.run(model, torch.tensor([prompt]), 0, layer_ids)
         logits, feats = [lg[0]], [ft[0]]
         for _ in range(steps):
             nxt = int(logits[-1][-1].argmax())
             seq.append(nxt)
             p = len(seq) - 1
-            lg, ft = model(torch.tensor([[nxt]]), torch.tensor([[p]]), cache, layer_ids)
+            lg, ft = cache.run(model, torch.tensor([[nxt]]), p, layer_ids)
             logits.append(lg[0])
             feats.append(ft[0])
         ours = torch.cat(logits)[: len(seq)]

@@ -12,8 +12,9 @@ import pytest
 import fake_tensorrt
 from factories import import_blocker
 from dspark.runtime import BackendError, BundleError, Engine, InputError
-from dspark.runtime.tools.cli import main
 from dspark.runtime.backends.gpu.cupy_device import GpuInfo
+from dspark.runtime.graph_io import DRAFTER_INPUTS, PAST, TARGET_INPUTS, kv_names
+from dspark.runtime.tools.cli import main
 from dspark.runtime.manifest import Manifest
 from dspark.runtime.backends.tensorrt import build as trt_build
 from dspark.runtime.backends.tensorrt.meta import check_compatible, engine_meta
@@ -43,13 +44,16 @@ def test_profiles_follow_the_manifest(tiny_bundle):
     assert s == EngineShapes(max_seq=256, max_query=m.drafter.block_size + 1, max_batch=4, prefill_chunk=64)
     t, d = target_profiles(m, s), drafter_profiles(m, s)
     g, hkv, hd = m.drafter.block_size, m.target.num_kv_heads, m.target.head_dim
-    assert t["verify"]["input_ids"] == ((1, 1), (1, g + 1), (4, g + 1))
-    assert t["prefill"]["input_ids"] == ((1, 1), (1, 64), (1, 64))
-    assert t["verify"]["past_mask"] == ((1, 1), (1, 256), (4, 256))
-    assert t["verify"]["past_key_0"] == ((1, hkv, 256, hd), (1, hkv, 256, hd), (4, hkv, 256, hd))
-    assert len([k for k in t["verify"] if k.startswith(("past_key_", "past_value_"))]) == 2 * m.target.num_layers
-    assert d["verify"]["positions"] == ((1, 1 + g), (1, g + 1 + g), (4, g + 1 + g))
-    assert d["prefill"]["features"][2] == (1, 64, m.drafter.feature_dim)
+    input_ids, _, _, past_mask = TARGET_INPUTS
+    features, positions = DRAFTER_INPUTS[:2]
+    past = kv_names(PAST, m.target.num_layers)
+    assert t["verify"][input_ids] == ((1, 1), (1, g + 1), (4, g + 1))
+    assert t["prefill"][input_ids] == ((1, 1), (1, 64), (1, 64))
+    assert t["verify"][past_mask] == ((1, 1), (1, 256), (4, 256))
+    assert t["verify"][past[0]] == ((1, hkv, 256, hd), (1, hkv, 256, hd), (4, hkv, 256, hd))
+    assert sorted(k for k in t["verify"] if k.startswith((f"{PAST}_key_", f"{PAST}_value_"))) == sorted(past)
+    assert d["verify"][positions] == ((1, 1 + g), (1, g + 1 + g), (4, g + 1 + g))
+    assert d["prefill"][features][2] == (1, 64, m.drafter.feature_dim)
     assert [profile_index(s, 1, r) for r in (1, g + 1, g + 2, 64)] == [1, 1, 0, 0]
     with pytest.raises(InputError):
         profile_index(s, 2, 64)  # prefill is batch 1

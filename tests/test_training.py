@@ -487,7 +487,7 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     r0 = next(r for r in recs if r["temperature"] == 0.0)
     ids = torch.tensor([r0["prompt_ids"] + r0["response_ids"]])
     with torch.inference_mode():
-        logits, _ = t(ids, torch.arange(ids.shape[1])[None], t.new_cache(1, ids.shape[1]))
+        logits, _ = t.new_cache(1, ids.shape[1]).run(t, ids, 0)
     n = len(r0["prompt_ids"])
     assert logits[0, n - 1:-1].argmax(-1).tolist() == r0["response_ids"]
 
