@@ -19,11 +19,44 @@ Drafter graph:
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 MASKED = -1e9  # additive attention mask value of a row that must not be read
 
-TARGET_INPUTS = ("input_ids", "positions", "logit_index", "past_mask")  # then the past K/V
-TARGET_ORT_INPUTS = ("input_ids", "logit_index", "seqlens_k", "total_len")  # then the past K/V
-DRAFTER_INPUTS = ("features", "positions", "anchor", "temperature", "uniforms", "past_mask", "ctx_mask")
+
+class TargetInputs(NamedTuple):
+    """The portable target graph's inputs before the past K/V (a backend feeds `._asdict()`)."""
+
+    input_ids: Any  # [B, S] int64
+    positions: Any  # [B, S] int64
+    logit_index: Any  # [B, K] int64
+    past_mask: Any  # [B, P] f32
+
+
+class TargetOrtInputs(NamedTuple):
+    """The ONNX Runtime target graph's inputs before the past K/V."""
+
+    input_ids: Any  # [B, S] int64
+    logit_index: Any  # [B, K] int64
+    seqlens_k: Any  # [B] int32
+    total_len: Any  # [] int32
+
+
+class DrafterInputs(NamedTuple):
+    """The drafter graph's inputs before the past K/V."""
+
+    features: Any  # [B, n, m·d] f32
+    positions: Any  # [B, n + γ] int64
+    anchor: Any  # [B] int64
+    temperature: Any  # [B] f32
+    uniforms: Any  # [B, γ] f32
+    past_mask: Any  # [B, P] f32
+    ctx_mask: Any  # [B, n] f32
+
+
+TARGET_INPUTS = TargetInputs._fields
+TARGET_ORT_INPUTS = TargetOrtInputs._fields
+DRAFTER_INPUTS = DrafterInputs._fields
 
 PAST, NEW, CTX, PRESENT = "past", "new", "ctx", "present"  # K/V name prefixes: cache in, rows out, in place
 

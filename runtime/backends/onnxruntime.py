@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import BundleError, InputError
-from ..graph_io import CTX, NEW, PAST, PRESENT, kv_names
+from ..graph_io import CTX, NEW, PAST, PRESENT, DrafterInputs, TargetInputs, TargetOrtInputs, kv_names
 from ..kv import KVBuffers, row_mask
 from ..manifest import Manifest
 from .base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
@@ -92,8 +92,10 @@ class _Graph:
             self.bindings[lo, hi] = binding
         return self.bindings[lo, hi]
 
-    def run(self, lo: int, hi: int, kind: str, hook: RunHook | None, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    def run(self, lo: int, hi: int, kind: str, hook: RunHook | None,
+            feeds: TargetInputs | TargetOrtInputs | DrafterInputs) -> dict[str, np.ndarray]:
         """One session run over slots [lo, hi); `hook` (if any) gets its RunEvent of `kind`."""
+        inputs = feeds._asdict()
         binding = self._binding(lo, hi)
         for name, value in inputs.items():
             binding.bind_cpu_input(name, value)
@@ -153,7 +155,7 @@ class OrtBackend:
         self.target_kv = KVBuffers(L, slots, t.num_kv_heads, max_seq, t.head_dim)
         names = kv_names(PAST, L)
         expect = {names[0]: {1: t.num_kv_heads, 3: t.head_dim}, "logits": {2: t.vocab_size},
-                  "features": {2: d.feature_dim}}
+                  "features": {2: d.feature_dim}}  # outputs of either target graph
         graph = manifest.graphs["target_ort" if self.in_place else "target"]
         self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names, expect)
         # ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens per row
@@ -211,17 +213,17 @@ class OrtBackend:
         """tokens [B, S] for slots lo..lo+B-1 -> logits [B, K, V] of the rows logit_index [B, K], features [B, S, F]."""
         B, S = tokens.shape
         if self.in_place and (B == 1 or S == 1):  # writes K/V rows start..start+S-1 of each slot in place
-            out = self._target.run(
-                lo, lo + B, kind, self.on_run, input_ids=tokens, logit_index=logit_index,
+            out = self._target.run(lo, lo + B, kind, self.on_run, TargetOrtInputs(
+                input_ids=tokens, logit_index=logit_index,
                 seqlens_k=(starts + S - 1).astype(np.int32),  # [B] last position written
                 total_len=np.array(starts.max() + S, np.int32),
-            )
+            ))
             return out["logits"], out["features"]
-        out = self._target_batch.run(
-            lo, lo + B, kind, self.on_run, input_ids=tokens, logit_index=logit_index,
+        out = self._target_batch.run(lo, lo + B, kind, self.on_run, TargetInputs(
+            input_ids=tokens, logit_index=logit_index,
             positions=starts[:, None] + np.arange(S, dtype=np.int64),  # [B, S]
             past_mask=row_mask(starts),  # [B, max(starts)]
-        )
+        ))
         self.target_kv.write([v for k, v in out.items() if k.startswith(f"{NEW}_")], starts, lo)
         return out["logits"], out["features"]
 
@@ -253,8 +255,7 @@ class OrtBackend:
         positions = np.concatenate([ctx_starts[:, None] + np.arange(n), starts[:, None] + np.arange(self.block_size)],
                                    axis=1)  # [B, n+γ]
         graph = self._drafter_greedy if self._greedy_call(temperatures) else self._drafter
-        out = graph.run(
-            lo, lo + B, kind, self.on_run,
+        out = graph.run(lo, lo + B, kind, self.on_run, DrafterInputs(
             features=np.ascontiguousarray(features[:, :n], np.float32),  # [B, n, F]
             positions=positions.astype(np.int64),
             anchor=np.asarray(anchors, np.int64),
@@ -262,6 +263,6 @@ class OrtBackend:
             uniforms=np.asarray(uniforms, np.float32),  # [B, γ]
             past_mask=row_mask(ctx_starts, floors=floors),  # [B, max(ctx_starts)]
             ctx_mask=row_mask(counts, n),  # [B, n]
-        )
+        ))
         self.draft_kv.write([v for k, v in out.items() if k.startswith(f"{CTX}_")], ctx_starts, lo)
         return Draft(out["draft_tokens"], out.get("draft_probs"), out["confidence_logits"])

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...config import DrafterConfig, TargetConfig
 from ...errors import BackendError, InputError
-from ...graph_io import CTX, NEW, kv_names
+from ...graph_io import CTX, NEW, DrafterInputs, TargetInputs, kv_names
 from ...sampling import accept
 from ..base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
 from .buckets import Buckets, past_mask
@@ -192,12 +192,12 @@ class GraphBackend:
         outputs (on the device) and whether this chunk has any of those rows."""
         rows = np.arange(max(lo, first), hi, dtype=np.int64) - lo
         index = rows if len(rows) else np.array([hi - lo - 1], np.int64)  # one row is always computed
-        out = self._target({
-            "input_ids": tokens[None, lo:hi],  # [1, S]
-            "positions": np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
-            "logit_index": index[None],  # [1, K]
-            "past_mask": past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
-        }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+        out = self._target(TargetInputs(
+            input_ids=tokens[None, lo:hi],  # [1, S]
+            positions=np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
+            logit_index=index[None],  # [1, K]
+            past_mask=past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
+        )._asdict(), rows=hi - lo, keep=self.buckets.graphable(hi - lo))
         return out, len(rows) > 0
 
     def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
@@ -252,15 +252,15 @@ class GraphBackend:
         features = np.ascontiguousarray(features, np.float32)
         block = np.arange(start, start + gamma, dtype=np.int64)
         for lo, hi in self.buckets.chunks(n):
-            out = self._drafter({
-                "features": features[None, lo:hi],  # [1, m, F]
-                "positions": np.concatenate([np.arange(ctx_start + lo, ctx_start + hi, dtype=np.int64), block])[None],
-                "anchor": np.array([anchor], np.int64),
-                "temperature": np.array([temperature], np.float32),
-                "uniforms": np.asarray(uniforms, np.float32)[None],  # [1, γ]
-                "past_mask": past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo), floor=floor),
-                "ctx_mask": np.zeros((1, hi - lo), np.float32),  # [1, m] every row is real at batch 1
-            }, rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+            out = self._drafter(DrafterInputs(
+                features=features[None, lo:hi],  # [1, m, F]
+                positions=np.concatenate([np.arange(ctx_start + lo, ctx_start + hi, dtype=np.int64), block])[None],
+                anchor=np.array([anchor], np.int64),
+                temperature=np.array([temperature], np.float32),
+                uniforms=np.asarray(uniforms, np.float32)[None],  # [1, γ]
+                past_mask=past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo), floor=floor),
+                ctx_mask=np.zeros((1, hi - lo), np.float32),  # [1, m] every row is real at batch 1
+            )._asdict(), rows=hi - lo, keep=self.buckets.graphable(hi - lo))
         self._draft_out = out
         return out
 

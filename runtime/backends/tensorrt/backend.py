@@ -18,7 +18,7 @@ from ..gpu.buckets import Buckets
 from ..gpu.cupy_device import CupyDevice, GpuInfo
 from ..gpu.device import Device, Outputs
 from ..gpu.graph_backend import GraphBackend, check_slots
-from ...graph_io import PAST, kv_names
+from ...graph_io import DRAFTER_INPUTS, PAST, TARGET_INPUTS, kv_names
 from ...manifest import Manifest
 from .meta import check_compatible, engine_meta, rebuild_command
 from .profiles import EngineShapes, profile_index
@@ -118,7 +118,7 @@ def tensorrt_backend(bundle: str | Path, manifest: Manifest, max_seq: int | None
                          f"rebuild for {max_seq}: {rebuild_command(bundle, {**meta, 'shapes': {**meta['shapes'], 'max_seq': max_seq}})}")
     runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
     steps = {}
-    for role, rows_input in (("target", "input_ids"), ("drafter", "features")):
+    for role, rows_input in (("target", TARGET_INPUTS[0]), ("drafter", DRAFTER_INPUTS[0])):  # input_ids, features
         path = bundle / meta["engines"][role]
         engine = runtime.deserialize_cuda_engine(path.read_bytes()) if path.exists() else None
         if engine is None:

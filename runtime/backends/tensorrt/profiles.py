@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ...errors import BackendError, InputError
-from ...graph_io import PAST, kv_names
+from ...graph_io import PAST, DrafterInputs, TargetInputs, kv_names
 from ...manifest import Manifest
 
 Shape = tuple[int, ...]
@@ -65,7 +65,7 @@ def target_profiles(m: Manifest, s: EngineShapes) -> dict[str, Profile]:
     for name in PROFILE_NAMES:
         b, q = _dims(s, name)
         rows = tuple((bi, qi) for bi, qi in zip(b, q))
-        out[name] = {"input_ids": rows, "positions": rows, "logit_index": rows, "past_mask": _past(s, b),
+        out[name] = {**TargetInputs(input_ids=rows, positions=rows, logit_index=rows, past_mask=_past(s, b))._asdict(),
                      **_kv(t.num_layers, t.num_kv_heads, t.head_dim, s, b)}
     return out
 
@@ -76,12 +76,12 @@ def drafter_profiles(m: Manifest, s: EngineShapes) -> dict[str, Profile]:
     out = {}
     for name in PROFILE_NAMES:
         b, q = _dims(s, name)
-        out[name] = {"features": tuple((bi, qi, d.feature_dim) for bi, qi in zip(b, q)),
-                     "positions": tuple((bi, qi + g) for bi, qi in zip(b, q)),
-                     "anchor": tuple((bi,) for bi in b), "temperature": tuple((bi,) for bi in b),
-                     "uniforms": tuple((bi, g) for bi in b), "past_mask": _past(s, b),
-                     "ctx_mask": tuple((bi, qi) for bi, qi in zip(b, q)),
-                     **_kv(d.num_layers, d.num_kv_heads, d.head_dim, s, b)}
+        inputs = DrafterInputs(features=tuple((bi, qi, d.feature_dim) for bi, qi in zip(b, q)),
+                               positions=tuple((bi, qi + g) for bi, qi in zip(b, q)),
+                               anchor=tuple((bi,) for bi in b), temperature=tuple((bi,) for bi in b),
+                               uniforms=tuple((bi, g) for bi in b), past_mask=_past(s, b),
+                               ctx_mask=tuple((bi, qi) for bi, qi in zip(b, q)))
+        out[name] = {**inputs._asdict(), **_kv(d.num_layers, d.num_kv_heads, d.head_dim, s, b)}
     return out
 
 
