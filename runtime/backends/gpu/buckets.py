@@ -27,11 +27,7 @@ class Buckets:
     @property
     def batches(self) -> tuple[int, ...]:
         """Every batch bucket, ascending: 1, 2, 4, ... below max_batch, then max_batch."""
-        sizes, b = [], 1
-        while b < self.max_batch:
-            sizes.append(b)
-            b *= 2
-        return (*sizes, self.max_batch)
+        return _doubling(1, self.max_batch)
 
     def batch(self, rows: int) -> int:
         """The batch a call over slots 0..rows-1 runs at."""
@@ -42,11 +38,7 @@ class Buckets:
     @property
     def contexts(self) -> tuple[int, ...]:
         """Every context bucket, ascending; the last is max_seq."""
-        sizes, c = [], min(self.min_context, self.max_seq)
-        while c < self.max_seq:
-            sizes.append(c)
-            c *= 2
-        return (*sizes, self.max_seq)
+        return _doubling(min(self.min_context, self.max_seq), self.max_seq)
 
     def context(self, length: int) -> int:
         """The past width a call with `length` committed rows runs at (>= 1: no empty axis)."""
@@ -62,3 +54,11 @@ class Buckets:
         """[lo, hi) row ranges of at most prefill_chunk rows covering 0..n."""
         return [(lo, min(lo + self.prefill_chunk, n)) for lo in range(0, n, self.prefill_chunk)]
 
+
+def _doubling(first: int, last: int) -> tuple[int, ...]:
+    """first, 2·first, 4·first, ... below last, then last."""
+    sizes = []
+    while first < last:
+        sizes.append(first)
+        first *= 2
+    return (*sizes, last)

@@ -8,8 +8,8 @@ Concurrent requests: every KV cache holds R slots [R, Hkv, S_max, D]. A step's d
 and verification each run once over slots 0..B-1 (backends/base.py), padded to a batch bucket
 with dummy rows (free slots: what they write there is overwritten when a request joins), and
 the acceptance rule runs over every row. A prompt runs over its own slot alone (a view of the
-caches at that slot), eagerly unless it lands in slot 0. Graphs are captured per (batch bucket,
-query length, context bucket)."""
+caches at that slot), eagerly unless it lands in slot 0 and is at most γ+1 rows long. Graphs are
+captured per (batch bucket, query length, context bucket)."""
 from __future__ import annotations
 
 import time

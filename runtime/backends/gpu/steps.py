@@ -19,9 +19,10 @@ class Step(Protocol):
     """One engine graph (target or drafter), as the exported ONNX graphs define it."""
 
     def prepare(self, inputs: dict[str, Any], kv: list[Any], graphed: bool) -> Callable[[], Outputs]:
-        """Bind static inputs (device arrays by input name) and the KV caches (keys of every
-        layer, then values) for one shape. Returns launch(): enqueue the step, return its
-        outputs by name. `graphed`: launch() will be captured in a CUDA graph."""
+        """Bind static inputs (device arrays by input name, batch B first) and the KV caches of the
+        call's B slots (views [B, Hkv, S_max, D]; keys of every layer, then values) for one shape.
+        Returns launch(): enqueue the step, return its outputs by name. `graphed`: launch() will be
+        captured in a CUDA graph."""
         ...
 
 
