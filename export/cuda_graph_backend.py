@@ -2,7 +2,8 @@
 as steps of the shared GPU layer (dspark.runtime.backends.gpu), captured as CUDA graphs by PyTorch.
 
 Export side: torch never becomes a runtime dependency. On a CUDA device this is the second
-GPU backend next to TensorRT (UNTESTED until a GPU is lent: see scripts/gpu_check.sh). On
+GPU backend next to TensorRT (ran on an H200 at batch 1, random weights; concurrent requests and
+real weights UNTESTED on a GPU until scripts/gpu_check.sh runs them). On
 the CPU, `TorchDevice.capture` records the body and re-runs it instead of capturing a graph,
 which lets the CPU suite check everything on the GPU path but the capture itself."""
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""The GPU check (scripts/gpu_check.sh runs it on a lent GPU, in under 8 minutes).
+"""The GPU check (scripts/gpu_check.sh runs it on a lent GPU, in under 7 minutes).
 
 Models: the real target (the SmolLM2-135M-Instruct GGUF, dequantised to fp32, `--gguf`) with
 the shipped drafter and real prompts (`--prompts`, token ids written by scripts/gpu_prep.sh);
-without `--gguf`, SmolLM2-shaped random weights and random prompts. The checks (gpu_checks.py):
+without `--gguf`, SmolLM2-shaped random weights and random prompts. The checks (gpu_checks.py),
+in the order they run (each one's results are saved as soon as it ends):
   identity     greedy DSpark with replayed graphs, with eager launches and with acceptance on the
                host, and the target alone, against each other and against the PyTorch reference
                on the CPU (dspark.md §1); sampled runs token-identical between graphs and eager
-  timing       host launch time and wall time per DSpark cycle, replayed graphs vs eager (batch 1)
-  sps          verification steps per second for 1..γ+1 rows, at batch 1 (graphs and eager) and at
-               each concurrency
-  throughput   target alone vs DSpark tokens/s at batch 1 on real prompts: τ and DSpark / (τ × alone)
   concurrency  R requests at once for each R of --concurrency: tokens/s of DSpark and of the target
                alone, and greedy outputs against the solo runs
+  timing       host launch time and wall time per DSpark cycle, replayed graphs vs eager (batch 1)
+  throughput   target alone vs DSpark tokens/s at batch 1 on real prompts: τ and DSpark / (τ × alone)
+  sps          verification steps per second for 1..γ+1 rows, at batch 1 (graphs and eager) and at
+               each concurrency
   cupy         the CuPy device the TensorRT backend uses (row scatter, capture, replay)
 Writes gpu_check.json (and gpu_check.png when matplotlib is there) under --out.
 

@@ -2,7 +2,7 @@
 # The GPU check, for a lent GPU machine (torch with CUDA; CuPy for the CuPy-device check).
 # Runs scripts/gpu_check.py against this checkout (no install needed) and writes
 # gpu_check.json, gpu_check.png, gpu_check.log and nvidia-smi.txt under $OUT
-# (default: out/gpu_check). Bounded to 7m50s.
+# (default: out/gpu_check). The checks are bounded to 6m40s.
 #
 # Real weights: when .gpu/gguf.sha256 is here (scripts/gpu_prep.sh wrote it, and earlier calls
 # carried .gpu/gguf.part1..3), the GGUF is reassembled under $GGUF_DIR and verified, the wheels
@@ -62,7 +62,7 @@ if [ -f "$GPU/gguf.sha256" ] && [[ " $* " != *" --smoke "* ]]; then
   fi
 fi
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-timeout 470 python3 "$ROOT/scripts/gpu_check.py" --out "$OUT" "${args[@]}" 2>&1 | tee -a "$OUT/gpu_check.log"
+timeout 400 python3 "$ROOT/scripts/gpu_check.py" --out "$OUT" "${args[@]}" 2>&1 | tee -a "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 if [ -n "$incomplete" ] && [ "$rc" -ne 124 ]; then
   echo "gpu_check: NOT on real weights: $incomplete" | tee -a "$OUT/gpu_check.log" >&2

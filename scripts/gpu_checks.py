@@ -274,7 +274,7 @@ def check_cupy(ctx: Context, res: dict) -> None:
     print(f"cupy: {res['cupy']}", flush=True)
 
 
-CHECKS = [check_identity, check_timing, check_sps, check_throughput, check_concurrency, check_cupy]
+CHECKS = [check_identity, check_concurrency, check_timing, check_throughput, check_sps, check_cupy]
 
 
 def plot(res: dict, path: Path) -> None:
