@@ -1,8 +1,9 @@
 """Concurrent requests in the shared GPU layer, on the CPU `TorchDevice` (whose `capture` re-runs
 the body instead of capturing a CUDA graph): batch buckets, greedy and sampled outputs of R = 4
 requests against their solo runs, requests joining and leaving between steps (dummy rows of free
-slots included), batched steps against the PyTorch reference row by row, and static buffers that
-keep their addresses across calls of a bucket."""
+slots included), batched steps (with a floor) against the PyTorch reference row by row, the
+`cost` scheduler's skipped steps and catch-up rounds, and static buffers that keep their
+addresses across calls of a bucket."""
 import numpy as np
 import pytest
 from factories import copy_drafter, reference_logits, step_batch, tiny_target
@@ -114,9 +115,10 @@ def test_requests_join_and_leave_between_steps(models):
 
 
 def test_batched_steps_match_reference_rows(models):
-    """Two slots at different lengths: a drafting round with 1 and 3 new context rows (one row
-    padded), then a verification with 1 + 1 and 1 + 4 tokens (one row padded), sampled, against
-    the PyTorch reference row by row; acceptance on the device for both rows."""
+    """Two slots at different lengths: a drafting round with one new context row each, a
+    verification with 1 + 1 and 1 + 4 tokens (one row padded), sampled, then a round with 1 + a
+    and 3 new context rows (one row padded) and a floor on one row, against the PyTorch reference
+    row by row; acceptance on the device for both rows."""
     target, drafter = models
     be, ref = gpu_layer(models, 2), TorchBackend(target, drafter, MAX_SEQ, slots=2)
     ids = [np.array(PROMPTS[1], np.int64), np.array(PROMPTS[3], np.int64)]
@@ -144,7 +146,8 @@ def test_batched_steps_match_reference_rows(models):
     features[0, :counts[0]], features[1] = vg.features[0, :counts[0]], vg.features[1, :3]
     starts = starts + counts
     args = (counts, starts - counts, np.array([9, 10]), np.array([0.0, 1.0]), np.random.default_rng(1).random((2, 4)))
-    d, r = be.draft(step_batch(features, *args)), ref.draft(step_batch(features, *args))
+    floors = np.array([0, 3])  # row 1's context restarts at position 3
+    d, r = be.draft(step_batch(features, *args, floors=floors)), ref.draft(step_batch(features, *args, floors=floors))
     assert d.tokens.tolist() == r.tokens.tolist()
     np.testing.assert_allclose(d.probs[1], r.probs[1], atol=1e-5)
     np.testing.assert_allclose(d.confidence_logits, r.confidence_logits, atol=1e-4)
@@ -171,3 +174,25 @@ def test_static_buffers_keep_their_addresses(models):
     assert be.stats["target"].replays > replays + 10
     shared = set(first) & set(second)
     assert len(shared) > 10 and all(first[k] == second[k] for k in shared)
+
+
+def test_cost_scheduler_skips_and_catches_up(models):
+    """The `cost` scheduler skips the drafter for whole steps; the next round feeds each request up
+    to `catch_up` rows (6 here, so that contexts restart at a floor), in chunks, with dummy rows: at
+    R = 3 on the GPU layer the greedy outputs stay the target's own, with steps both drafted and
+    skipped."""
+    from factories import TINY_CALIBRATION, TINY_SPS
+
+    from dspark.runtime import make_scheduler
+
+    target, _ = models
+    be = gpu_layer(models, 3)
+    params = SamplingParams(0.0, 40)
+    got = generate_batch(be, [Request(p, params) for p in PROMPTS[:5]],
+                         make_scheduler("cost", sps=TINY_SPS, calibration=TINY_CALIBRATION), catch_up=6)
+    for prompt, g in zip(PROMPTS, got):
+        alone = generate(TorchBackend(target, None, MAX_SEQ), prompt, params, None).token_ids
+        m = greedy_match(alone, g.token_ids, reference_logits(target, prompt, alone))
+        assert m.ok, f"{prompt}: {m}"
+    drafted, cycles = sum(sum(g.stats.drafted) for g in got), sum(g.stats.cycles for g in got)
+    assert 0 < drafted < cycles, f"the drafter gate should skip some steps ({drafted} of {cycles} drafted)"
