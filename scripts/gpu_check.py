@@ -13,6 +13,7 @@ in the order they run (each one's results are saved as soon as it ends):
   throughput   target alone vs DSpark tokens/s at batch 1 on real prompts: τ and DSpark / (τ × alone)
   sps          verification steps per second for 1..γ+1 rows, at batch 1 (graphs and eager) and at
                each concurrency
+  graph_time   device time of one replay of each captured graph, at batch 1 and the largest batch
   cupy         the CuPy device the TensorRT backend uses (row scatter, capture, replay)
 Writes gpu_check.json (and gpu_check.png when matplotlib is there) under --out.
 

@@ -41,6 +41,7 @@ def test_smoke_mode_runs_every_check(tmp_path):
     c = res["concurrency"]
     assert c["ok"] and c["requests"] == 4 and c["R4"]["dspark"]["identical_to_solo"] >= 3 and c["R4"]["dspark"]["tau"] > 1
     assert res["throughput"]["mean"]["tau"] > 1 and (tmp_path / "out" / "gpu_check.log").exists()
+    assert any(k.startswith("target B=4 S=") for k in res["graph_time"])  # replays timed at the largest batch
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])

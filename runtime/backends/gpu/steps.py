@@ -39,6 +39,7 @@ class GraphStats:
 class Entry:
     inputs: dict[str, Any]  # static input buffers
     run: Callable[[], Outputs]  # replay (returns the static outputs) or the eager body
+    graphed: bool  # run() replays a captured graph
 
 
 class StepRunner:
@@ -98,13 +99,13 @@ class StepRunner:
                     self.stats.replays += 1
                     return outputs
 
-                return Entry(inputs, run)
+                return Entry(inputs, run, True)
 
         def eager() -> Outputs:
             self.stats.eager += 1
             return body()
 
-        return Entry(inputs, eager)
+        return Entry(inputs, eager, False)
 
 
 def key_text(host: dict[str, np.ndarray]) -> str:
