@@ -2,7 +2,8 @@
 as steps of the shared GPU layer (dspark.runtime.backends.gpu), captured as CUDA graphs by PyTorch.
 
 Export side: torch never becomes a runtime dependency. On a CUDA device this is the second
-GPU backend next to TensorRT (UNTESTED until a GPU is lent: see scripts/gpu_check.sh). On
+GPU backend next to TensorRT (ran on an H200 at batch 1, random weights; concurrent requests and
+real weights UNTESTED on a GPU until scripts/gpu_check.sh runs them). On
 the CPU, `TorchDevice.capture` records the body and re-runs it instead of capturing a graph,
 which lets the CPU suite check everything on the GPU path but the capture itself."""
 from __future__ import annotations
@@ -49,9 +50,9 @@ class TorchDevice:
         return t.to("cpu", copy=True).numpy()  # a copy (the next replay rewrites `src`); waits for the stream
 
     def write_rows(self, cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        n = rows.shape[2]
-        for b in range(rows.shape[0]):
-            cache[b].index_copy_(1, positions[b, :n], rows[b])  # [H, S_max, D] rows at device positions
+        B, _, n, _ = rows.shape
+        slot = torch.arange(B, device=cache.device)[:, None].expand(B, n)  # [B, n]
+        cache.transpose(1, 2)[slot, positions[:, :n]] = rows.transpose(1, 2)  # [B, n, H, D] at device positions
 
     def compute(self, fn: Callable[..., Any], *args: Any) -> np.ndarray:
         """numpy on the CPU; CuPy on CUDA (zero-copy through DLPack; both libraries use the
@@ -105,11 +106,11 @@ class TorchStep:
 def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: int, device: str = "cuda",
                        graphs: bool = True, prefill_chunk: int = 512, min_context: int = 128,
                        device_acceptance: bool | None = None, slots: int = 1) -> GraphBackend:
-    """A `Backend` running the target (and drafter) graph modules on `device`, replaying CUDA
-    graphs per (query length, context bucket) when `graphs` is on. The models are copied, not
-    moved: the caller's modules stay where they are. device_acceptance (None: on the CPU, and on
-    CUDA where CuPy is installed): the acceptance rule runs next to the logits. slots: 1 (more
-    raises a BackendError: runtime/gpu serves one request)."""
+    """A `Backend` running the target (and drafter) graph modules on `device` for `slots`
+    concurrent requests, replaying CUDA graphs per (batch bucket, query length, context bucket)
+    when `graphs` is on. The models are copied, not moved: the caller's modules stay where they
+    are. device_acceptance (None: on the CPU, and on CUDA where CuPy is installed): the
+    acceptance rule runs next to the logits."""
     dev = TorchDevice(device)
     if device_acceptance is None:
         device_acceptance = not dev.is_cuda or importlib.util.find_spec("cupy") is not None
@@ -122,9 +123,9 @@ def cuda_graph_backend(target: TargetModel, drafter: Drafter | None, max_seq: in
         d = DrafterGraph(drafter, branch="sampled").to(dev.device).eval()
         drafter_step = TorchStep(d, DRAFTER_INPUTS, drafter_outputs(drafter.cfg.num_layers))
     gamma = drafter.cfg.block_size if drafter is not None else 0
-    buckets = Buckets(max_seq, gamma + 1, max(prefill_chunk, gamma + 1), min_context)
+    buckets = Buckets(max_seq, gamma + 1, max(prefill_chunk, gamma + 1), min_context, slots)
     kv_dtype = np.dtype(np.float32) if target.embed_tokens.weight.dtype == torch.float32 else None
     if kv_dtype is None:
         raise BackendError(f"the CUDA-graph backend runs fp32 models; got {target.embed_tokens.weight.dtype}")
     return GraphBackend(dev, target.cfg, drafter.cfg if drafter is not None else None, target_step, drafter_step,
-                        buckets, graphs, kv_dtype, device_acceptance, slots)
+                        buckets, graphs, kv_dtype, device_acceptance)

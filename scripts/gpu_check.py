@@ -1,18 +1,27 @@
-"""The GPU check (scripts/gpu_check.sh runs it on a lent GPU, in under 8 minutes).
+"""The GPU check (scripts/gpu_check.sh runs it on a lent GPU, in under 7 minutes).
 
-On SmolLM2-135M-shaped random weights (the real GGUF is too big to carry to the machine):
-  identity  the CUDA-graph backend (dspark.export.cuda_graph_backend: the PyTorch reference
-            graphs captured per bucket) and its eager twin against the PyTorch reference on
-            the CPU: greedy identity in the sense of dspark.md §1; sampled runs token-identical
-            between replayed graphs and eager launches
-  timing    host time per DSpark cycle with and without graph replay, acceptance on the device
-            or on the host; target alone vs DSpark
-  sps       the SPS curve: verification steps per second for 1..γ+1 rows, replayed and eager
-  cupy      the CuPy device the TensorRT backend uses (row scatter, capture, replay)
+Models: the real target (the SmolLM2-135M-Instruct GGUF, dequantised to fp32, `--gguf`) with
+the shipped drafter and real prompts (`--prompts`, token ids written by scripts/gpu_prep.sh);
+without `--gguf`, SmolLM2-shaped random weights and random prompts. The checks (gpu_checks.py),
+in the order they run (each one's results are saved as soon as it ends):
+  identity     greedy DSpark with replayed graphs, with eager launches and with acceptance on the
+               host, and the target alone, against each other and against the PyTorch reference
+               on the CPU (dspark.md §1); sampled runs token-identical between graphs and eager
+  concurrency  R requests at once for each R of --concurrency: tokens/s of DSpark and of the target
+               alone, and greedy outputs against the solo runs
+  timing       host launch time and wall time per DSpark cycle, replayed graphs vs eager (batch 1)
+  throughput   target alone vs DSpark tokens/s at batch 1 on real prompts: τ and DSpark / (τ × alone)
+  sps          verification steps per second for 1..γ+1 rows, at batch 1 (graphs and eager) and at
+               each concurrency
+  graph_time   device time of one replay of each captured graph, at batch 1 and the largest batch
+  cupy         the CuPy device the TensorRT backend uses (row scatter, capture, replay)
 Writes gpu_check.json (and gpu_check.png when matplotlib is there) under --out.
 
---smoke runs a tiny model on the CPU stand-in device (no graphs are captured) to test this
-script where there is no GPU. Exit codes: 0 all checks passed, 1 a check failed, 2 no GPU."""
+--smoke runs a tiny random model on the CPU stand-in device (no graphs are captured) to test this
+script where there is no GPU; --cpu runs the given models there with small sizes (a tiny random
+model without --gguf). When the real weights do not load, the error is recorded and the checks
+run on random weights. Exit codes: 0 all checks passed, 1 a check failed (or the real weights
+did not load), 2 no GPU."""
 from __future__ import annotations
 
 import argparse
@@ -21,18 +30,51 @@ import platform
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # factories: random weights for the model shapes
+sys.path.insert(0, str(ROOT / "tests"))  # factories: random weights, reference logits
+sys.path.insert(0, str(ROOT / "scripts"))
 
+DRAFTER = ROOT / "export" / "drafters" / "smollm2-135m-instruct"
 SMOLLM2 = dict(vocab=49152, hidden=576, inter=1536, layers=30, heads=9, kv_heads=3, max_pos=8192, rope=100000.0)
 TINY = dict(vocab=97, hidden=64, inter=136, layers=4, heads=4, kv_heads=2, max_pos=512, rope=10000.0)
 
 
-def make_models(dims: dict, gamma: int, rank: int, seed: int = 0):
+@dataclass(frozen=True)
+class Sizes:
+    max_new_tokens: int  # identity and concurrency runs
+    bench_tokens: int  # the batch-1 tokens/s runs
+    identity_prompts: int
+    bench_prompts: int
+    cpu_reference: int  # prompts also decoded by the PyTorch reference on the CPU
+    reps: int  # calls per SPS point
+    concurrency: tuple[int, ...]
+    max_seq: int
+    prefill_chunk: int
+    min_context: int
+
+
+GPU_SIZES = Sizes(128, 256, 4, 6, 2, 30, (1, 4, 16), 1024, 512, 128)
+CPU_SIZES = Sizes(12, 16, 2, 2, 1, 2, (1, 4), 512, 64, 64)  # --cpu: the GPU path on the CPU stand-in
+SMOKE_SIZES = Sizes(16, 24, 3, 2, 2, 3, (1, 4), 128, 8, 16)
+
+
+@dataclass
+class Models:
+    target: Any  # TargetModel (fp32, on the CPU)
+    drafter: Any  # Drafter
+    prompts: list[list[int]]  # token ids
+    labels: list[str]  # where each prompt came from
+    stop_token_ids: tuple[int, ...] = ()
+    source: dict = field(default_factory=dict)
+
+
+def random_models(dims: dict, gamma: int, rank: int, n_prompts: int, lengths: tuple[int, ...], seed: int = 0) -> Models:
     """A random target (scaled like the test factories, so logits have real gaps) and an
     untrained drafter whose low-rank Markov head copies the previous token: random targets
     fall into repetition loops, where such a drafter gets accepted."""
@@ -55,154 +97,52 @@ def make_models(dims: dict, gamma: int, rank: int, seed: int = 0):
     with torch.no_grad():
         drafter.markov_head.markov_w1.weight.copy_(30.0 * u)  # bias(prev, x) = 30 <u_x, u_prev>
         drafter.markov_head.markov_w2.weight.copy_(u)
-    return target, drafter
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(5, dims["vocab"], lengths[i % len(lengths)]).tolist() for i in range(n_prompts)]
+    return Models(target, drafter, prompts, [f"random-{len(p)}" for p in prompts],
+                  source={"weights": "random", "dims": dims})
 
 
-def stats_dict(backend) -> dict:
-    return {k: vars(v) for k, v in backend.stats.items()}
+def real_models(gguf: Path, drafter_dir: Path, prompts_file: Path) -> Models:
+    """The GGUF target (dequantised to fp32 by the exporter's loader), the shipped drafter, and the
+    prompts scripts/gpu_prompts.py tokenized."""
+    from dspark.export.checkpoint import load_drafter
+    from dspark.export.target_loader import load_target
+
+    loaded = load_target(gguf)
+    target = loaded.model
+    drafter = load_drafter(drafter_dir, embeddings=(target.embed_tokens.weight, target.lm_head.weight))
+    spec = json.loads(prompts_file.read_text())
+    prompts = [p["ids"] for p in spec["prompts"]]
+    labels = [f"{p['set']}-{p['index']}" for p in spec["prompts"]]
+    stop = tuple(sorted(set(loaded.stop_token_ids) | set(spec["stop_token_ids"])))
+    return Models(target, drafter, prompts, labels, stop,
+                  {"weights": "real", "gguf": spec["source"], "drafter": drafter_dir.name})
 
 
-def check_identity(ctx: dict, res: dict) -> None:
-    from factories import reference_logits
-
-    from dspark.export import TorchBackend
-    from dspark.runtime import FixedLength, SamplingParams, generate
-    from dspark.runtime.tools.parity import greedy_match
-
-    target, drafter, a = ctx["target"], ctx["drafter"], ctx["args"]
-    out = res["identity"] = {"prompts": [len(p) for p in ctx["prompts"]], "greedy": [], "sampled": []}
-    for i, prompt in enumerate(ctx["prompts"]):
-        params = SamplingParams(0.0, a.max_new_tokens)
-        t0 = time.perf_counter()
-        ref = generate(TorchBackend(target, None, a.max_seq), prompt, params, None).token_ids  # CPU, target alone
-        logits = reference_logits(target, prompt, ref)
-        row = {"prompt_tokens": len(prompt), "reference_s": round(time.perf_counter() - t0, 2)}
-        for name, be in ctx["backends"].items():
-            for sched_name, sched in (("dspark", FixedLength()), ("alone", None)):
-                g = generate(be, prompt, params, sched)
-                m = greedy_match(ref, g.token_ids, logits)
-                row[f"{name}/{sched_name}"] = {"ok": m.ok, "verdict": str(m), "tau": g.stats.tau}
-        out["greedy"].append(row)
-        print(f"identity prompt {i}: {row}", flush=True)
-    for seed in range(3):
-        params = SamplingParams(1.0, a.max_new_tokens, seed)
-        runs = {n: generate(be, ctx["prompts"][0], params, FixedLength()) for n, be in ctx["backends"].items()}
-        toks = [r.token_ids for r in runs.values()]
-        out["sampled"].append({"seed": seed, "identical": all(t == toks[0] for t in toks),
-                               "tau": {n: r.stats.tau for n, r in runs.items()}})
-    out["graph_stats"] = {n: stats_dict(be) for n, be in ctx["backends"].items()}
-    out["ok"] = (all(v["ok"] for row in out["greedy"] for k, v in row.items() if isinstance(v, dict))
-                 and all(s["identical"] for s in out["sampled"])
-                 and not any(s["capture_failures"] for st in out["graph_stats"].values() for s in st.values()))
-
-
-def check_timing(ctx: dict, res: dict) -> None:
-    from dspark.runtime import FixedLength, SamplingParams, generate
-
-    a, prompt = ctx["args"], ctx["prompts"][0]
-    out = res["timing"] = {}
-    params = SamplingParams(0.0, a.max_new_tokens)
-    for name, be in ctx["backends"].items():
-        generate(be, prompt, params, FixedLength())  # warm-up: every bucket of this run gets captured
-        spec = generate(be, prompt, params, FixedLength())
-        alone = generate(be, prompt, params, None)
-        s = spec.stats
-        out[name] = {
-            "cycle_ms": 1e3 * (s.times["draft"] + s.times["verify"]) / max(s.cycles, 1),
-            "draft_ms": 1e3 * s.times["draft"] / max(s.cycles, 1),
-            "verify_ms": 1e3 * s.times["verify"] / max(s.cycles, 1),
-            "tau": s.tau,
-            "dspark_tok_s": s.to_dict(len(spec.token_ids))["decode_tokens_per_s"],
-            "target_alone_tok_s": alone.stats.to_dict(len(alone.token_ids))["decode_tokens_per_s"],
-            "target_alone_step_ms": 1e3 * alone.stats.times["decode"] / max(alone.stats.cycles, 1),
-        }
-        print(f"timing {name}: {out[name]}", flush=True)
-    out["ok"] = True
-
-
-def check_sps(ctx: dict, res: dict) -> None:
-    a = ctx["args"]
-    out = res["sps"] = {}
-    tokens = np.resize(np.asarray(ctx["prompts"][-1], np.int64), (1, a.gamma + 1))  # [1, γ+1], whatever the prompts
-    starts = np.array([min(256, a.max_seq // 2)])  # [1]
-    for name, be in ctx["backends"].items():
-        if name.endswith("host-accept"):
-            continue  # the same target calls as "graphs"
-        curve = {}
-        for S in range(1, a.gamma + 2):
-            for _ in range(3):  # capture and warm up this bucket
-                be.target(tokens[:, :S], starts)
-            t0 = time.perf_counter()
-            for _ in range(a.reps):
-                be.target(tokens[:, :S], starts)  # same rows each time: the KV writes are idempotent
-            curve[S] = a.reps / (time.perf_counter() - t0)
-        out[name] = curve
-        print(f"sps {name}: " + ", ".join(f"{s}: {v:.0f}/s" for s, v in curve.items()), flush=True)
-    out["ok"] = True
-
-
-def check_cupy(ctx: dict, res: dict) -> None:
-    """The CuPy device of the TensorRT backend: row scatter from device positions, captured and replayed."""
-    from dspark.runtime.backends.gpu.cupy_device import CupyDevice
-
-    dev = CupyDevice()
-    rng = np.random.default_rng(0)
-    cache = dev.zeros((1, 3, 64, 8), np.float32)
-    rows_h = rng.standard_normal((1, 3, 4, 8)).astype(np.float32)
-    rows, positions = dev.zeros(rows_h.shape, np.float32), dev.zeros((1, 6), np.int64)
-    dev.upload(rows, rows_h)
-    dev.upload(positions, np.array([[10, 11, 12, 13, 0, 0]]))  # n = 4 rows; the rest of the row is ignored
-    dev.write_rows(cache, rows, positions)
-    want = np.zeros((1, 3, 64, 8), np.float32)
-    want[:, :, 10:14] = rows_h
-    eager_ok = bool(np.array_equal(dev.download(cache), want))
-    replay, outputs = dev.capture(lambda: (dev.write_rows(cache, rows, positions), {"cache": cache})[1])
-    dev.upload(positions, np.array([[40, 41, 42, 43, 0, 0]]))  # new lengths, same addresses
-    replay()
-    want[:, :, 40:44] = rows_h
-    replay_ok = bool(np.array_equal(dev.download(outputs["cache"]), want))
-    t0 = time.perf_counter()
-    for _ in range(1000):
-        replay()
-    dev.stream.synchronize()
-    res["cupy"] = {"device": dev.name, "compute_capability": list(dev.info.compute), "write_rows_ok": eager_ok,
-                   "replay_ok": replay_ok, "replay_us": 1e3 * (time.perf_counter() - t0), "ok": eager_ok and replay_ok}
-    print(f"cupy: {res['cupy']}", flush=True)
-
-
-def plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        res["plot"] = "matplotlib is not installed: no png"
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, curve in res.get("sps", {}).items():
-        if isinstance(curve, dict):
-            ax1.plot([int(s) for s in curve], list(curve.values()), marker="o", label=name)
-    ax1.set(xlabel="rows verified (1 + ℓ)", ylabel="verification steps / s", title="SPS curve (batch 1)")
-    if ax1.lines:
-        ax1.legend()
-    t = {k: v for k, v in res.get("timing", {}).items() if isinstance(v, dict)}
-    if t:
-        names = list(t)
-        ax2.bar([f"{n}\ncycle" for n in names] + [f"{n}\nalone step" for n in names],
-                [t[n]["cycle_ms"] for n in names] + [t[n]["target_alone_step_ms"] for n in names])
-        ax2.set(ylabel="host ms", title="host time per DSpark cycle / target step")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def interleave(models: Models) -> list[int]:
+    """Prompt indices alternating between the sets (gsm8k, mt-bench, gsm8k, ...)."""
+    sets: dict[str, list[int]] = {}
+    for i, label in enumerate(models.labels):
+        sets.setdefault(label.rsplit("-", 1)[0], []).append(i)
+    order, queues = [], list(sets.values())
+    while any(queues):
+        order += [q.pop(0) for q in queues if q]
+    return order
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "out" / "gpu_check"))
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU stand-in device (tests this script)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--reps", type=int, default=50, help="calls per SPS point")
+    p.add_argument("--smoke", action="store_true", help="tiny random model on the CPU stand-in device")
+    p.add_argument("--cpu", action="store_true", help="--gguf's models on the CPU stand-in device, small sizes")
+    p.add_argument("--gguf", type=Path, help="the target GGUF (real weights); default: random weights")
+    p.add_argument("--drafter", type=Path, default=DRAFTER, help="the drafter checkpoint (with --gguf)")
+    p.add_argument("--prompts", type=Path, help="prompt token ids (scripts/gpu_prompts.py; with --gguf)")
+    p.add_argument("--concurrency", help="comma-separated R values (default: 1,4,16 on a GPU)")
     args = p.parse_args(argv)
+    if args.gguf is not None and args.prompts is None:
+        p.error("--gguf needs --prompts (scripts/gpu_prep.sh writes .gpu/prompts.json)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "smoke": args.smoke,
@@ -219,38 +159,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {res['status']}", file=sys.stderr)
         return 2
     res["torch"] = torch.__version__
-    if not args.smoke and not torch.cuda.is_available():
+    on_cpu = args.smoke or args.cpu
+    if not on_cpu and not torch.cuda.is_available():
         res["status"] = "no GPU: torch.cuda.is_available() is False; nothing was checked"
         save()
         print(f"gpu_check: {res['status']}", file=sys.stderr)
         return 2
-    device = "cpu" if args.smoke else "cuda"
-    if not args.smoke:
+    if not on_cpu:
         res["gpu"] = torch.cuda.get_device_name(0)
         res["cuda"] = torch.version.cuda
     torch.manual_seed(0)
-    dims = TINY if args.smoke else SMOLLM2
-    args.gamma, args.max_seq = 7, 128 if args.smoke else 2048
-    chunk, min_context = (8, 16) if args.smoke else (512, 128)
-    if args.smoke:
-        args.max_new_tokens, args.reps = min(args.max_new_tokens, 24), min(args.reps, 3)
-    res["config"] = {"dims": dims, "gamma": args.gamma, "max_seq": args.max_seq, "prefill_chunk": chunk,
-                     "min_context": min_context, "max_new_tokens": args.max_new_tokens}
+    sizes = SMOKE_SIZES if args.smoke else CPU_SIZES if args.cpu else GPU_SIZES
+    if args.concurrency:
+        sizes = replace(sizes, concurrency=tuple(int(r) for r in args.concurrency.split(",")))
     t0 = time.perf_counter()
-    from dspark.export.cuda_graph_backend import cuda_graph_backend
-
-    target, drafter = make_models(dims, args.gamma, rank=16 if args.smoke else 256)
-    rng = np.random.default_rng(0)
-    lengths = (5, 13, 30) if args.smoke else (24, 200, 700)  # 700 > one prefill chunk; contexts cross buckets
-    prompts = [rng.integers(5, dims["vocab"], n).tolist() for n in lengths]
-    backends = {name: cuda_graph_backend(target, drafter, args.max_seq, device, graphs=graphs, prefill_chunk=chunk,
-                                         min_context=min_context, device_acceptance=None if on_device else False)
-                for name, graphs, on_device in (("graphs", True, True), ("eager", False, True),
-                                                ("graphs-host-accept", True, False))}
-    res["acceptance_on_device"] = {name: be.accepts_on_device for name, be in backends.items()}
-    ctx = {"args": args, "target": target, "drafter": drafter, "prompts": prompts, "backends": backends}
+    gamma = 7
+    n_prompts = max(max(sizes.concurrency), sizes.identity_prompts, sizes.bench_prompts)
+    models = None
+    if args.gguf is not None:
+        try:
+            models = real_models(args.gguf, args.drafter, args.prompts)
+        except Exception as e:  # noqa: BLE001 — say so, and measure on random weights rather than nothing
+            res["real_weights_error"] = f"{type(e).__name__}: {e}"
+            res["real_weights_traceback"] = traceback.format_exc()
+            print(f"gpu_check: the real weights did not load ({res['real_weights_error']}); random weights instead",
+                  file=sys.stderr, flush=True)
+    if models is None and on_cpu:
+        models = random_models(TINY, gamma, rank=16, n_prompts=n_prompts, lengths=(5, 13, 30))
+    elif models is None:
+        models = random_models(SMOLLM2, gamma, rank=256, n_prompts=n_prompts, lengths=(24, 200, 700))
+    res["config"] = {"sizes": asdict(sizes), "gamma": models.drafter.cfg.block_size, "models": models.source,
+                     "prompts": [f"{lab} ({len(q)} tokens)" for lab, q in zip(models.labels, models.prompts)]}
     res["setup_s"] = round(time.perf_counter() - t0, 1)
-    checks = [check_identity, check_timing, check_sps] + ([] if args.smoke else [check_cupy])
+    save()
+    from gpu_checks import CHECKS, Context, plot
+
+    ctx = Context(sizes, models, "cpu" if on_cpu else "cuda", interleave(models))
+    checks = [c for c in CHECKS if not (on_cpu and c.__name__ == "check_cupy")]
     for check in checks:
         name = check.__name__.removeprefix("check_")
         t0 = time.perf_counter()
@@ -262,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         res[name]["seconds"] = round(time.perf_counter() - t0, 1)
         save()
     plot(res, out / "gpu_check.png")
-    res["ok"] = all(res[c.__name__.removeprefix("check_")].get("ok") for c in checks)
+    res["ok"] = all(res[c.__name__.removeprefix("check_")].get("ok") for c in checks) and "real_weights_error" not in res
+    res["seconds"] = round(sum(res[c.__name__.removeprefix("check_")]["seconds"] for c in checks) + res["setup_s"], 1)
     save()
     print(f"gpu_check: {'all checks passed' if res['ok'] else 'SOME CHECKS FAILED'}; results in {out}")
     return 0 if res["ok"] else 1

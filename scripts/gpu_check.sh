@@ -2,20 +2,70 @@
 # The GPU check, for a lent GPU machine (torch with CUDA; CuPy for the CuPy-device check).
 # Runs scripts/gpu_check.py against this checkout (no install needed) and writes
 # gpu_check.json, gpu_check.png, gpu_check.log and nvidia-smi.txt under $OUT
-# (default: out/gpu_check). Bounded to 7m50s. Exit codes: 0 passed, 1 a check failed,
-# 2 no GPU (a clear message says so), 124 timed out.
+# (default: out/gpu_check). The checks are bounded to 6m40s.
+#
+# Real weights: when .gpu/gguf.sha256 is here (scripts/gpu_prep.sh wrote it, and earlier calls
+# carried .gpu/gguf.part1..3), the GGUF is reassembled under $GGUF_DIR and verified, the wheels
+# of .gpu/whl are installed into $WHEEL_SITE, and the check runs on the GGUF target, the shipped
+# drafter and .gpu/prompts.json. Without .gpu/gguf.sha256 (or with --smoke): random weights.
+# When a part is missing or corrupt, a message names it and the checks run on random weights, so
+# that the call still measures something; the exit code is then 3.
+#
+# Exit codes: 0 passed, 1 a check failed, 2 no GPU (a clear message says so), 3 the real
+# weights are incomplete or corrupt (a message names the part), 124 timed out.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/out/gpu_check}"
+GPU="$ROOT/.gpu"
+GGUF_DIR="${GGUF_DIR:-/tmp/dspark-gguf}"
+WHEEL_SITE="${WHEEL_SITE:-/tmp/site}"
 mkdir -p "$OUT"
 SITE="$(mktemp -d)"  # `dspark` -> this checkout, as the editable install maps it
+trap 'rm -rf "$SITE"' EXIT
 mkdir -p "$SITE/dspark"
 ln -s "$ROOT/export" "$SITE/dspark/export"
 ln -s "$ROOT/runtime" "$SITE/dspark/runtime"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi: not available") \
   > "$OUT/nvidia-smi.txt" 2>&1
-timeout 470 python "$ROOT/scripts/gpu_check.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+: > "$OUT/gpu_check.log"
+
+args=("$@")
+incomplete=""  # why the real weights cannot be used (the checks then run on random weights)
+
+real_weights() {  # reassemble and verify the GGUF, install the wheels; say why not on failure
+  local i
+  for i in 1 2 3; do
+    [ -f "$GPU/gguf.part$i" ] || { incomplete=".gpu/gguf.part$i is missing: carry it in a call first (scripts/gpu_prep.sh splits the GGUF into three parts; each call carries one)"; return; }
+  done
+  (cd "$GPU" && grep ' gguf\.part[123]$' gguf.sha256 | sha256sum -c --quiet) \
+    || { incomplete="a part of the GGUF does not match its sha256 in .gpu/gguf.sha256 (see above): carry it again"; return; }
+  mkdir -p "$GGUF_DIR"
+  cat "$GPU"/gguf.part1 "$GPU"/gguf.part2 "$GPU"/gguf.part3 > "$GGUF_DIR/target.gguf.tmp"
+  mv "$GGUF_DIR/target.gguf.tmp" "$GGUF_DIR/target.gguf"
+  (cd "$GGUF_DIR" && grep ' target\.gguf$' "$GPU/gguf.sha256" | sha256sum -c --quiet) \
+    || { incomplete="the reassembled GGUF does not match its sha256"; rm -f "$GGUF_DIR/target.gguf"; return; }
+  if compgen -G "$GPU/whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WHEEL_SITE" \
+      "$GPU"/whl/*.whl || { incomplete="installing .gpu/whl failed"; return; }
+    export PYTHONPATH="$PYTHONPATH:$WHEEL_SITE"
+  fi
+  args+=(--gguf "$GGUF_DIR/target.gguf" --prompts "$GPU/prompts.json")
+  echo "gpu_check: real weights, $(stat -c %s "$GGUF_DIR/target.gguf") bytes of GGUF verified" | tee -a "$OUT/gpu_check.log"
+}
+
+if [ -f "$GPU/gguf.sha256" ] && [[ " $* " != *" --smoke "* ]]; then
+  real_weights
+  if [ -n "$incomplete" ]; then
+    echo "gpu_check: $incomplete; the checks run on random weights instead, and the exit code is 3" \
+      | tee -a "$OUT/gpu_check.log" >&2
+  fi
+fi
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+timeout 400 python3 "$ROOT/scripts/gpu_check.py" --out "$OUT" "${args[@]}" 2>&1 | tee -a "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
-rm -rf "$SITE"
+if [ -n "$incomplete" ] && [ "$rc" -ne 124 ]; then
+  echo "gpu_check: NOT on real weights: $incomplete" | tee -a "$OUT/gpu_check.log" >&2
+  exit 3
+fi
 exit "$rc"

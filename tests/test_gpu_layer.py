@@ -9,9 +9,10 @@ from factories import copy_drafter, reference_logits, step_batch, tiny_target
 
 from dspark.export import TorchBackend
 from dspark.export.cuda_graph_backend import cuda_graph_backend
-from dspark.runtime import BackendError, FixedLength, InputError, SamplingParams, StaticThreshold, generate
-from dspark.runtime.backends.gpu.buckets import Buckets, past_mask
+from dspark.runtime import FixedLength, InputError, SamplingParams, StaticThreshold, generate
+from dspark.runtime.backends.gpu.buckets import Buckets
 from dspark.runtime.graph_io import MASKED
+from dspark.runtime.kv import row_mask
 from dspark.runtime.tools.parity import greedy_match
 
 PROMPTS = [[5, 6, 7, 8], [11, 3, 42, 42, 9, 17, 60, 5, 6, 7, 8, 9, 10], [70]]
@@ -37,11 +38,13 @@ def test_graphable_and_chunks():
 
 
 def test_past_mask_pads_to_the_bucket():
-    m = past_mask(3, 8)
+    m = row_mask(np.array([3]), 8)
     assert m.shape == (1, 8) and (m[0, :3] == 0).all() and (m[0, 3:] == MASKED).all()
-    assert (past_mask(0, 4) == MASKED).all()  # an empty past: every row masked, no zero-size axis
-    m = past_mask(5, 8, floor=2)  # the context restarts at position 2
+    assert (row_mask(np.array([0]), 4) == MASKED).all()  # an empty past: every row masked, no zero-size axis
+    m = row_mask(np.array([5]), 8, floors=np.array([2]))  # the context restarts at position 2
     assert (m[0, 2:5] == 0).all() and (m[0, :2] == MASKED).all() and (m[0, 5:] == MASKED).all()
+    m = row_mask(np.array([5, 0, 2]), 8, floors=np.array([2, 0, 0]))  # a batch: each row its own length and floor
+    assert (m == 0).sum(1).tolist() == [3, 0, 2] and (m[0, 2:5] == 0).all() and (m[2, :2] == 0).all()
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +121,3 @@ def test_graph_backend_steps_match_reference_rows(models):
     assert df.tokens.tolist() == rf.tokens.tolist() and np.abs(df.probs - rf.probs).max() < 1e-5
     np.testing.assert_allclose(df.confidence_logits, rf.confidence_logits, atol=1e-4)
     assert np.abs(df.confidence_logits - d.confidence_logits).max() > 1e-2  # the floor masked something
-
-
-def test_graph_backend_refuses_concurrent_requests(models):
-    """Batched rows are not ported to the GPU layer: a typed error, not a wrong answer."""
-    target, drafter = models
-    with pytest.raises(BackendError, match="slots=2 .* not ported"):
-        cuda_graph_backend(target, drafter, 64, device="cpu", slots=2)
-    be = cuda_graph_backend(target, drafter, 64, device="cpu")
-    with pytest.raises(BackendError, match="2 request rows"):
-        be.target(np.zeros((2, 1), np.int64), np.zeros(2, np.int64))

@@ -26,8 +26,8 @@ def import_cupy():
     try:
         import cupy
     except ImportError as e:
-        raise BackendError("CuPy is not installed (pip install cupy-cuda12x): the GPU backends keep their "
-                           "buffers in CuPy arrays") from e
+        raise BackendError("CuPy is not installed (pip install cupy-cuda13x, or cupy-cuda12x for CUDA 12): the "
+                           "GPU backends keep their buffers in CuPy arrays") from e
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 — CuPy raises its own CUDA error types when no driver/device

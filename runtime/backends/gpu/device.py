@@ -1,6 +1,7 @@
 """What the shared GPU layer needs from a device library (CuPy here, PyTorch on the export
 side): static buffers, copies in and out, a row scatter into the KV caches that reads its
-positions from device memory, and CUDA-graph capture. Arrays are the library's own."""
+positions from device memory, and CUDA-graph capture. Arrays are the library's own; slicing one
+along its first axis (`cache[lo:hi]`, a request slot range) gives a view of the same memory."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -4,288 +4,225 @@ of up to γ+1 rows are captured once per bucket as a CUDA graph and replayed aft
 Lengths reach the graphs as device data (positions, past_mask, logit_index), never as
 shapes or host scalars, so one graph serves every call of its bucket.
 
-Batch 1: one request slot (slots=1). Concurrent requests (slots > 1, the loop's batched rows)
-are not ported to this layer yet: asking for them raises a BackendError."""
+Concurrent requests: every KV cache holds R slots [R, Hkv, S_max, D]. A step's drafting round
+and verification each run once over slots 0..B-1 (backends/base.py), padded to a batch bucket
+with dummy rows (free slots: what they write there is overwritten when a request joins), and
+the acceptance rule runs over every row. A prompt runs over its own slot alone (a view of the
+caches at that slot), eagerly unless it lands in slot 0 and is at most γ+1 rows long. Graphs are
+captured per (batch bucket, query length, context bucket)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ...config import DrafterConfig, TargetConfig
-from ...errors import BackendError, InputError
-from ...graph_io import CTX, NEW, DrafterInputs, TargetInputs, kv_names
+from ...errors import InputError
+from ...graph_io import CTX, NEW, DrafterInputs, TargetInputs
+from ...kv import row_mask
 from ...sampling import accept
 from ..base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
-from .buckets import Buckets, past_mask
+from .buckets import Buckets
 from .device import Device, Outputs
-
-
-class Step(Protocol):
-    """One engine graph (target or drafter), as the exported ONNX graphs define it."""
-
-    def prepare(self, inputs: dict[str, Any], kv: list[Any], graphed: bool) -> Callable[[], Outputs]:
-        """Bind static inputs (device arrays by input name) and the KV caches (keys of every
-        layer, then values) for one shape. Returns launch(): enqueue the step, return its
-        outputs by name. `graphed`: launch() will be captured in a CUDA graph."""
-        ...
-
-
-@dataclass
-class GraphStats:
-    captures: int = 0
-    replays: int = 0
-    eager: int = 0
-    capture_failures: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Entry:
-    inputs: dict[str, Any]  # static input buffers
-    run: Callable[[], Outputs]  # replay (returns the static outputs) or the eager body
-
-
-class StepRunner:
-    """Static buffers and graphs of one step, keyed by the shapes of its inputs."""
-
-    def __init__(self, device: Device, step: Step, kv: list[Any], prefix: str, layers: int, graphs: bool):
-        self.device, self.step, self.kv, self.prefix, self.layers, self.graphs = device, step, kv, prefix, layers, graphs
-        self.entries: dict[tuple, _Entry] = {}
-        self.stats = GraphStats()
-
-    def __call__(self, host: dict[str, np.ndarray], rows: int, keep: bool) -> Outputs:
-        """Run the step on host inputs; its first `rows` positions get their new K/V rows written.
-        keep: cache this bucket's buffers (and its graph when graphs are on)."""
-        key = tuple((name, a.shape) for name, a in host.items())
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self._new(host, rows, graphed=keep and self.graphs)
-            if keep:
-                self.entries[key] = entry
-        else:
-            for name, a in host.items():
-                self.device.upload(entry.inputs[name], a)
-        return entry.run()
-
-    def _new(self, host: dict[str, np.ndarray], rows: int, graphed: bool) -> _Entry:
-        d = self.device
-        inputs = {name: d.zeros(a.shape, a.dtype) for name, a in host.items()}
-        for name, a in host.items():  # before any launch: the warm-up writes real KV rows
-            d.upload(inputs[name], a)
-        launch = self.step.prepare(inputs, self.kv, graphed)
-        positions = inputs["positions"]
-        names = kv_names(self.prefix, self.layers)
-
-        def body() -> Outputs:
-            out = launch()
-            for cache, name in zip(self.kv, names):
-                d.write_rows(cache, out[name], positions)
-            return out
-
-        if graphed:
-            try:
-                replay, outputs = d.capture(body)
-            except Exception as e:  # noqa: BLE001 — a step that cannot be captured still runs, eagerly
-                self.stats.capture_failures.append(f"{key_text(host)}: {type(e).__name__}: {e}")
-            else:
-                self.stats.captures += 1
-
-                def run() -> Outputs:
-                    replay()
-                    self.stats.replays += 1
-                    return outputs
-
-                return _Entry(inputs, run)
-
-        def eager() -> Outputs:
-            self.stats.eager += 1
-            return body()
-
-        return _Entry(inputs, eager)
-
-
-def key_text(host: dict[str, np.ndarray]) -> str:
-    return ", ".join(f"{name}{list(a.shape)}" for name, a in host.items())
+from .steps import GraphStats, Step, StepRunner
 
 
 class GraphBackend:
     """`Backend` over a target step and an optional drafter step (None: the target alone), for
-    one request slot."""
+    `buckets.max_batch` request slots."""
 
     drafter_graph = "fp32"  # the exported drafter graph, the same for every row
 
     def __init__(self, device: Device, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None,
                  target_step: Step, drafter_step: Step | None, buckets: Buckets, graphs: bool = True,
-                 kv_dtype: np.dtype = np.dtype(np.float32), device_acceptance: bool = True, slots: int = 1):
+                 kv_dtype: np.dtype = np.dtype(np.float32), device_acceptance: bool = True):
         """device_acceptance: verify() runs the acceptance rule next to the logits (sampling.accept
         over the device's array module) and drafts keep their distributions on the device."""
-        check_slots(slots)
         t = target_cfg
         self.device, self.buckets = device, buckets
         self.accepts_on_device = device_acceptance
         self.on_run: RunHook | None = None
         self._draft_out: Outputs | None = None  # the last drafting round's outputs, on the device
-        self.vocab_size, self.max_seq, self.slots = t.vocab_size, buckets.max_seq, slots
+        self.vocab_size, self.max_seq, self.slots = t.vocab_size, buckets.max_seq, buckets.max_batch
         self.block_size = drafter_cfg.block_size if drafter_step is not None else 0
         if drafter_step is not None and buckets.max_query < self.block_size + 1:
             raise InputError(f"buckets.max_query is {buckets.max_query}, the drafter needs γ+1 = {self.block_size + 1}")
-        kv_t = [device.zeros((1, t.num_kv_heads, buckets.max_seq, t.head_dim), kv_dtype) for _ in range(2 * t.num_layers)]
+        R, S = self.slots, buckets.max_seq
+        kv_t = [device.zeros((R, t.num_kv_heads, S, t.head_dim), kv_dtype) for _ in range(2 * t.num_layers)]
         self._target = StepRunner(device, target_step, kv_t, NEW, t.num_layers, graphs)
         self._drafter = None
         if drafter_step is not None:
             c = drafter_cfg
-            kv_d = [device.zeros((1, c.num_kv_heads, buckets.max_seq, c.head_dim), kv_dtype) for _ in range(2 * c.num_layers)]
+            kv_d = [device.zeros((R, c.num_kv_heads, S, c.head_dim), kv_dtype) for _ in range(2 * c.num_layers)]
             self._drafter = StepRunner(device, drafter_step, kv_d, CTX, c.num_layers, graphs)
 
     @property
+    def runners(self) -> dict[str, StepRunner]:
+        """The steps by role ("target", "drafter"): their static buffers, graphs and stats."""
+        return {"target": self._target} | ({"drafter": self._drafter} if self._drafter is not None else {})
+
+    @property
     def stats(self) -> dict[str, GraphStats]:
-        out = {"target": self._target.stats}
-        if self._drafter is not None:
-            out["drafter"] = self._drafter.stats
-        return out
+        return {role: runner.stats for role, runner in self.runners.items()}
 
     def _timed(self, kind: str, graph: str, t0: float, inputs: dict[str, np.ndarray]) -> None:
         """The hook's event for a call that began at t0 and has read its outputs back (so the device is done)."""
         if self.on_run is not None:
             self.on_run(RunEvent(kind, graph, time.perf_counter() - t0, inputs))
 
+    def _rows(self, lo: int, batch: int) -> int:
+        """The rows a call over slots lo..lo+batch-1 runs at: a batch bucket for calls from slot 0
+        (dummy rows of free slots pad it), the slot alone for a prefill into another slot."""
+        if lo < 0 or lo + batch > self.slots:
+            raise InputError(f"a call over slots {lo}..{lo + batch - 1}; this backend has {self.slots} slots")
+        return self.buckets.batch(batch) if lo == 0 else batch
+
     def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
-        _check_rows(slot + 1)
-        tokens = np.asarray(tokens, np.int64)
-        n = len(tokens)
+        tokens = np.asarray(tokens, np.int64)[None]  # [1, n]
+        n = tokens.shape[1]
+        zero = np.zeros(1, np.int64)
         t0 = time.perf_counter()
-        logits, feats = self._target_rows(tokens, 0, 1)  # [1, V], [n, F]
-        self._timed("prefill", "target", t0, {"input_ids": tokens[None]})
+        logits, feats = self._target_rows(slot, tokens, zero, 1)  # [1, 1, V], [1, n, F]
+        self._timed("prefill", "target", t0, {"input_ids": tokens})
         if not ingest:
-            return logits[0], feats
+            return logits[0, 0], feats[0]
         if n > 1:  # context rows 0..n-2; the block drafted here is discarded
             t0 = time.perf_counter()
-            self.device.download(self._draft_rows(feats[:n - 1], 0, 0, 0, 0.0, np.zeros(self.block_size))["draft_tokens"])
-            self._timed("prefill", "drafter", t0, {"features": feats[None, :n - 1]})
-        return logits[0], feats[n - 1:]
+            out = self._draft_rows(slot, feats[:, :n - 1], np.array([n - 1]), zero, zero, zero, np.zeros(1),
+                                   np.zeros((1, self.block_size)))
+            self.device.download(out["draft_tokens"])
+            self._timed("prefill", "drafter", t0, {"features": feats[:, :n - 1]})
+        return logits[0, 0], feats[0, n - 1:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        _check_rows(len(tokens))
         t0 = time.perf_counter()
-        logits, feats = self._target_rows(np.asarray(tokens[0], np.int64), int(starts[0]), tokens.shape[1])
+        out = self._target_rows(0, np.asarray(tokens, np.int64), np.asarray(starts, np.int64), tokens.shape[1])
         self._timed("target", "target", t0, {"input_ids": tokens})
-        return logits[None], feats[None]  # [1, S, V], [1, S, F]
+        return out  # [B, S, V], [B, S, F]
 
-    def _target_rows(self, tokens: np.ndarray, start: int, logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [S] at start.. -> logits of the last `logit_rows` rows [K, V], features [S, F]."""
-        n = len(tokens)
-        if not 1 <= logit_rows <= n or start + n > self.max_seq:
-            raise InputError(f"target call: {n} tokens at {start}, {logit_rows} logit rows, max_seq {self.max_seq}")
+    def _target_rows(self, lo: int, tokens: np.ndarray, starts: np.ndarray,
+                     logit_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [B, n] of slots lo.., row b at starts[b].. -> logits of the last `logit_rows` rows
+        [B, K, V], features [B, n, F]."""
+        B, n = tokens.shape
+        if not 1 <= logit_rows <= n or int(starts.max()) + n > self.max_seq:
+            raise InputError(f"target call: {n} tokens at {starts.tolist()}, {logit_rows} logit rows, "
+                             f"max_seq {self.max_seq}")
         logits, feats = [], []
-        for lo, hi in self.buckets.chunks(n):
-            out, wanted = self._target_chunk(tokens, start, lo, hi, n - logit_rows)
+        for c0, c1 in self.buckets.chunks(n):
+            out, wanted = self._target_chunk(lo, tokens, starts, c0, c1, n - logit_rows)
             if wanted:
-                logits.append(self.device.download(out["logits"])[0].astype(np.float32, copy=False))
-            feats.append(self.device.download(out["features"])[0].astype(np.float32, copy=False))
-        return np.concatenate(logits), np.concatenate(feats)
+                logits.append(self.device.download(out["logits"])[:B].astype(np.float32, copy=False))
+            feats.append(self.device.download(out["features"])[:B].astype(np.float32, copy=False))
+        return np.concatenate(logits, axis=1), np.concatenate(feats, axis=1)
 
-    def _target_chunk(self, tokens: np.ndarray, start: int, lo: int, hi: int, first: int) -> tuple[Outputs, bool]:
-        """Rows lo..hi-1 of a call at `start`, with logits for the rows from `first` on; returns the
-        outputs (on the device) and whether this chunk has any of those rows."""
-        rows = np.arange(max(lo, first), hi, dtype=np.int64) - lo
-        index = rows if len(rows) else np.array([hi - lo - 1], np.int64)  # one row is always computed
+    def _target_chunk(self, lo: int, tokens: np.ndarray, starts: np.ndarray, c0: int, c1: int,
+                      first: int) -> tuple[Outputs, bool]:
+        """Columns c0..c1-1 of a call over slots lo.. (tokens [B, n] at starts [B]), with logits for
+        the columns from `first` on; returns the outputs (on the device, rows padded to the batch
+        bucket) and whether this chunk has any of those columns."""
+        B = len(tokens)
+        Bp = self._rows(lo, B)
+        cols = np.arange(max(c0, first), c1, dtype=np.int64) - c0
+        index = cols if len(cols) else np.array([c1 - c0 - 1], np.int64)  # one row is always computed
+        starts = _pad(starts, Bp)  # [Bp]: dummy rows at 0
+        past = starts + c0  # [Bp] committed rows before this chunk
+        positions = np.minimum(past[:, None] + np.arange(c1 - c0), self.max_seq - 1)  # [Bp, S]; padding clipped
         out = self._target(TargetInputs(
-            input_ids=tokens[None, lo:hi],  # [1, S]
-            positions=np.arange(start + lo, start + hi, dtype=np.int64)[None],  # [1, S]
-            logit_index=index[None],  # [1, K]
-            past_mask=past_mask(start + lo, self.buckets.context(start + lo)),  # [1, P]
-        )._asdict(), rows=hi - lo, keep=self.buckets.graphable(hi - lo))
-        return out, len(rows) > 0
+            input_ids=_pad(tokens[:, c0:c1], Bp),  # [Bp, S]
+            positions=positions,
+            logit_index=np.tile(index, (Bp, 1)),  # [Bp, K]
+            past_mask=row_mask(past, self.buckets.context(int(past.max()))),  # [Bp, P]
+        )._asdict(), lo, rows=c1 - c0, keep=lo == 0 and self.buckets.graphable(c1 - c0))
+        return out, len(cols) > 0
 
     def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
-        """The target over [anchor, d_1..d_ℓ] (tokens [1, S], ℓ = lengths[0] <= S-1), then the acceptance
-        rule against the last drafting round: on the device with `accepts_on_device` (only (a, token)
-        and the features come back), else on the host."""
+        """The target over [anchor, d_1..d_ℓ] (tokens [B, S], ℓ_b = lengths[b] <= S-1), then the
+        acceptance rule against the last drafting round: on the device with `accepts_on_device`
+        (only (a, token) per row and the features come back), else on the host."""
         if not self.accepts_on_device:
             return verify_on_host(self, batch, draft)
-        _check_rows(len(batch.tokens))
-        row, start = np.asarray(batch.tokens[0], np.int64), int(batch.starts[0])
-        S = len(row)
-        if self._draft_out is None or not S <= self.buckets.max_query or start + S > self.max_seq:
-            raise InputError(f"verify: {S} tokens at {start} (needs a drafting round first, at most "
+        tokens, starts = np.asarray(batch.tokens, np.int64), np.asarray(batch.starts, np.int64)
+        B, S = tokens.shape
+        if self._draft_out is None or not S <= self.buckets.max_query or int((starts + 1 + batch.lengths).max()) > self.max_seq:
+            raise InputError(f"verify: {S} tokens at {starts.tolist()} (needs a drafting round first, at most "
                              f"{self.buckets.max_query} tokens, max_seq {self.max_seq})")
         t0 = time.perf_counter()
-        out, _ = self._target_chunk(row, start, 0, S, 0)
+        out, _ = self._target_chunk(0, tokens, starts, 0, S, 0)
         a, token = self.device.compute(
-            lambda xp, drafts, p_d, logits, lengths, temps, u: xp.stack(accept(xp, drafts, lengths, p_d, logits, temps, u)),
-            batch.tokens[:, 1:], self._draft_out["draft_probs"], out["logits"], batch.lengths[:1],
-            batch.temperatures[:1], batch.accept_uniforms[:1])
-        feats = self.device.download(out["features"]).astype(np.float32, copy=False)  # [1, S, F]
-        self._timed("target", "target", t0, {"input_ids": batch.tokens})
+            lambda xp, drafts, p_d, logits, lengths, temps, u: xp.stack(
+                accept(xp, drafts, lengths, p_d[:B], logits[:B], temps, u)),
+            tokens[:, 1:], self._draft_out["draft_probs"], out["logits"], batch.lengths, batch.temperatures,
+            batch.accept_uniforms)
+        feats = self.device.download(out["features"])[:B].astype(np.float32, copy=False)  # [B, S, F]
+        self._timed("target", "target", t0, {"input_ids": tokens})
         return Verdict(np.asarray(a, np.int64), np.asarray(token, np.int64), feats)
 
     def draft(self, batch: StepBatch) -> Draft:
-        _check_rows(len(batch.counts))
+        B = len(batch.counts)
         t0 = time.perf_counter()
-        out = self._draft_rows(batch.features[0, :int(batch.counts[0])], int(batch.ctx_starts[0]),
-                               int(batch.floors[0]), int(batch.anchors[0]), float(batch.temperatures[0]),
-                               batch.draft_uniforms[0])
+        out = self._draft_rows(0, batch.features, batch.counts, batch.ctx_starts, batch.floors, batch.anchors,
+                               batch.temperatures, batch.draft_uniforms)
         d = self.device
-        tokens = d.download(out["draft_tokens"]).astype(np.int64, copy=False)  # [1, γ]
-        confidence = d.download(out["confidence_logits"]).astype(np.float32, copy=False)  # [1, γ]
+        tokens = d.download(out["draft_tokens"])[:B].astype(np.int64, copy=False)  # [B, γ]
+        confidence = d.download(out["confidence_logits"])[:B].astype(np.float32, copy=False)  # [B, γ]
         self._timed("drafter", "drafter", t0, {"features": batch.features})
         if self.accepts_on_device:
             return DeviceDraft(tokens, confidence, d, out["draft_probs"])
-        return Draft(tokens, d.download(out["draft_probs"]).astype(np.float32, copy=False), confidence)
+        return Draft(tokens, d.download(out["draft_probs"])[:B].astype(np.float32, copy=False), confidence)
 
-    def _draft_rows(self, features: np.ndarray, ctx_start: int, floor: int, anchor: int, temperature: float,
-                    uniforms: np.ndarray) -> Outputs:
-        """Context rows features [n, F] at ctx_start.. in chunks, the block after them: a chunk's K/V
-        depend only on its features and positions, so every chunk but the last drafts a block whose
-        outputs are dropped. Cached rows below `floor` are masked. Returns the last chunk's outputs
-        (on the device)."""
-        gamma, n = self.block_size, len(features)
-        start = ctx_start + n
+    def _draft_rows(self, lo: int, features: np.ndarray, counts: np.ndarray, ctx_starts: np.ndarray,
+                    floors: np.ndarray, anchors: np.ndarray, temperatures: np.ndarray, uniforms: np.ndarray) -> Outputs:
+        """A drafting round for slots lo..: row b feeds context rows features[b, :counts[b]] (features
+        [B, n, F], right-padded) at ctx_starts[b].., then drafts its block after them; cached rows below
+        floors[b] are masked. Context columns go in chunks: a chunk's K/V depend only on its features
+        and positions, so every chunk but the last drafts blocks whose outputs are dropped. Returns the
+        last chunk's outputs (on the device, rows padded to the batch bucket)."""
         if self._drafter is None:
             raise InputError("this backend was opened without a drafter")
-        if n < 1 or start + gamma > self.max_seq:
-            raise InputError(f"draft round: {n} context rows for positions {ctx_start}..{start - 1}, "
-                             f"block end {start + gamma}, max_seq {self.max_seq}")
-        features = np.ascontiguousarray(features, np.float32)
-        block = np.arange(start, start + gamma, dtype=np.int64)
-        for lo, hi in self.buckets.chunks(n):
+        gamma, (B, n) = self.block_size, features.shape[:2]
+        starts = ctx_starts + counts  # [B] each row's block starts at its anchor
+        if n < 1 or int(counts.max()) < 1 or int(starts.max()) + gamma > self.max_seq:
+            raise InputError(f"draft round: {counts.tolist()} context rows at {ctx_starts.tolist()}, "
+                             f"block ends {(starts + gamma).tolist()}, max_seq {self.max_seq}")
+        Bp = self._rows(lo, B)
+        features = _pad(np.asarray(features, np.float32), Bp)  # [Bp, n, F]
+        counts, ctx_starts, floors = _pad(counts, Bp), _pad(ctx_starts, Bp), _pad(floors, Bp)  # [Bp]
+        block = _pad(starts, Bp)[:, None] + np.arange(gamma)  # [Bp, γ]
+        for c0, c1 in self.buckets.chunks(n):
+            past = ctx_starts + np.minimum(counts, c0)  # [Bp] rows fed before this chunk (real ones only)
+            ctx = np.minimum(ctx_starts[:, None] + np.arange(c0, c1), self.max_seq - 1)  # [Bp, m]; padding clipped
             out = self._drafter(DrafterInputs(
-                features=features[None, lo:hi],  # [1, m, F]
-                positions=np.concatenate([np.arange(ctx_start + lo, ctx_start + hi, dtype=np.int64), block])[None],
-                anchor=np.array([anchor], np.int64),
-                temperature=np.array([temperature], np.float32),
-                uniforms=np.asarray(uniforms, np.float32)[None],  # [1, γ]
-                past_mask=past_mask(ctx_start + lo, self.buckets.context(ctx_start + lo), floor=floor),
-                ctx_mask=np.zeros((1, hi - lo), np.float32),  # [1, m] every row is real at batch 1
-            )._asdict(), rows=hi - lo, keep=self.buckets.graphable(hi - lo))
+                features=np.ascontiguousarray(features[:, c0:c1]),  # [Bp, m, F]
+                positions=np.concatenate([ctx, block], axis=1),  # [Bp, m+γ]
+                anchor=_pad(np.asarray(anchors, np.int64), Bp),  # [Bp]
+                temperature=_pad(np.asarray(temperatures, np.float32), Bp),  # [Bp]
+                uniforms=_pad(np.asarray(uniforms, np.float32), Bp),  # [Bp, γ]
+                past_mask=row_mask(past, self.buckets.context(int(past.max())), floors=floors),  # [Bp, P]
+                ctx_mask=row_mask(np.clip(counts - c0, 0, None), c1 - c0),  # [Bp, m] real context rows
+            )._asdict(), lo, rows=c1 - c0, keep=lo == 0 and self.buckets.graphable(c1 - c0))
         self._draft_out = out
         return out
 
 
-def check_slots(slots: int) -> None:
-    if slots != 1:
-        raise BackendError(f"the GPU backends serve one request at a time: slots={slots} (concurrent requests) "
-                           f"is not ported to the shared GPU layer yet; use the onnxruntime backend for that")
-
-
-def _check_rows(batch: int) -> None:
-    if batch != 1:
-        raise BackendError(f"a GPU backend call for {batch} request rows: the shared GPU layer serves one request "
-                           f"(slots=1); batched rows are not ported yet")
+def _pad(a: np.ndarray, rows: int) -> np.ndarray:
+    """`a` [B, ...] with zero rows appended up to `rows` (dummy rows of a batch bucket)."""
+    a = np.asarray(a)
+    if len(a) == rows:
+        return a
+    return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
 
 
 class DeviceDraft(Draft):
-    """A `Draft` whose distributions stay on the device: `probs` [1, γ, V] copies them to the host
+    """A `Draft` whose distributions stay on the device: `probs` [B, γ, V] copies them to the host
     when read, which is valid until the backend's next draft() call. A loop that verifies on the
     device never reads them."""
 
     def __init__(self, tokens: np.ndarray, confidence_logits: np.ndarray, device: Device, probs: Any):
-        self.tokens, self.confidence_logits = tokens, confidence_logits
-        self._device, self._probs = device, probs
+        self.tokens, self.confidence_logits = tokens, confidence_logits  # [B, γ] each
+        self._device, self._probs = device, probs  # [Bp, γ, V] on the device (Bp: the batch bucket)
 
     @property
-    def probs(self) -> np.ndarray:  # [1, γ, V]
-        return self._device.download(self._probs).astype(np.float32, copy=False)
+    def probs(self) -> np.ndarray:  # [B, γ, V]
+        return self._device.download(self._probs)[:len(self.tokens)].astype(np.float32, copy=False)

@@ -17,7 +17,7 @@ from ...errors import BackendError, BundleError, InputError
 from ..gpu.buckets import Buckets
 from ..gpu.cupy_device import CupyDevice, GpuInfo
 from ..gpu.device import Device, Outputs
-from ..gpu.graph_backend import GraphBackend, check_slots
+from ..gpu.graph_backend import GraphBackend
 from ...graph_io import DRAFTER_INPUTS, PAST, TARGET_INPUTS, kv_names
 from ...manifest import Manifest
 from .meta import check_compatible, engine_meta, rebuild_command
@@ -106,8 +106,11 @@ class TrtStep:
 def tensorrt_backend(bundle: str | Path, manifest: Manifest, max_seq: int | None = None, graphs: bool = True,
                      speculative: bool = True, device: PointerDevice | None = None, slots: int = 1) -> GraphBackend:
     """device: where the buffers live (default: a `CupyDevice` on the current GPU). slots: 1 (the
-    shared GPU layer serves one request; more raises a BackendError)."""
-    check_slots(slots)  # before any GPU work
+    shared GPU layer serves several, but the engines' profiles and contexts for batches are not
+    wired to it: more raises a BackendError)."""
+    if slots != 1:  # before any GPU work
+        raise BackendError(f"the TensorRT backend serves one request at a time: slots={slots} (concurrent "
+                           f"requests) is not ported to its engines yet; use the onnxruntime backend for that")
     bundle = Path(bundle)
     meta = engine_meta(manifest, bundle)
     trt = import_tensorrt()
