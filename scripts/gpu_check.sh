@@ -10,6 +10,8 @@
 # drafter and .gpu/prompts.json. Without .gpu/gguf.sha256 (or with --smoke): random weights.
 # When a part is missing or corrupt, a message names it and the checks run on random weights, so
 # that the call still measures something; the exit code is then 3.
+# A call that carries .gpu/ replaces the whole folder on the device, so each part is stashed under
+# $GGUF_DIR/parts as it arrives: `gpu_check.sh --stash` does only that (the first two calls).
 #
 # Exit codes: 0 passed, 1 a check failed, 2 no GPU (a clear message says so), 3 the real
 # weights are incomplete or corrupt (a message names the part), 124 timed out.
@@ -30,18 +32,26 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   > "$OUT/nvidia-smi.txt" 2>&1
 : > "$OUT/gpu_check.log"
 
+stash() {  # keep the parts this call carried: the next call's .gpu/ replaces this one's
+  mkdir -p "$GGUF_DIR/parts"
+  local p
+  for p in "$GPU"/gguf.part[123]; do [ -f "$p" ] && cp "$p" "$GGUF_DIR/parts/"; done
+  ls -l "$GGUF_DIR/parts"
+}
+if [ "${1:-}" = "--stash" ]; then stash; exit 0; fi
+
 args=("$@")
 incomplete=""  # why the real weights cannot be used (the checks then run on random weights)
 
 real_weights() {  # reassemble and verify the GGUF, install the wheels; say why not on failure
-  local i
+  local i parts="$GGUF_DIR/parts"
+  stash > /dev/null
   for i in 1 2 3; do
-    [ -f "$GPU/gguf.part$i" ] || { incomplete=".gpu/gguf.part$i is missing: carry it in a call first (scripts/gpu_prep.sh splits the GGUF into three parts; each call carries one)"; return; }
+    [ -f "$parts/gguf.part$i" ] || { incomplete="gguf.part$i is missing: carry .gpu/gguf.part$i in an earlier call that runs \`scripts/gpu_check.sh --stash\` (scripts/gpu_prep.sh splits the GGUF into three parts; each call carries one)"; return; }
   done
-  (cd "$GPU" && grep ' gguf\.part[123]$' gguf.sha256 | sha256sum -c --quiet) \
+  (cd "$parts" && grep ' gguf\.part[123]$' "$GPU/gguf.sha256" | sha256sum -c --quiet) \
     || { incomplete="a part of the GGUF does not match its sha256 in .gpu/gguf.sha256 (see above): carry it again"; return; }
-  mkdir -p "$GGUF_DIR"
-  cat "$GPU"/gguf.part1 "$GPU"/gguf.part2 "$GPU"/gguf.part3 > "$GGUF_DIR/target.gguf.tmp"
+  cat "$parts"/gguf.part1 "$parts"/gguf.part2 "$parts"/gguf.part3 > "$GGUF_DIR/target.gguf.tmp"
   mv "$GGUF_DIR/target.gguf.tmp" "$GGUF_DIR/target.gguf"
   (cd "$GGUF_DIR" && grep ' target\.gguf$' "$GPU/gguf.sha256" | sha256sum -c --quiet) \
     || { incomplete="the reassembled GGUF does not match its sha256"; rm -f "$GGUF_DIR/target.gguf"; return; }

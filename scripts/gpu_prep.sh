@@ -34,5 +34,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 
 python3 scripts/gpu_prompts.py --gguf "$GGUF" --out .gpu/prompts.json
 ls -l .gpu .gpu/whl
-echo "gpu_prep: done; the three device calls carry .gpu/gguf.part1, .gpu/gguf.part2, then .gpu/gguf.part3 with"
-echo "          .gpu/gguf.sha256, .gpu/whl and .gpu/prompts.json (scripts/gpu_check.sh reassembles and verifies)"
+echo "gpu_prep: done; three device calls, back to back: \`bash scripts/gpu_check.sh --stash\` carrying"
+echo "          .gpu/gguf.part1, the same carrying .gpu/gguf.part2, then \`bash scripts/gpu_check.sh\` carrying"
+echo "          .gpu/gguf.part3, .gpu/gguf.sha256, .gpu/whl and .gpu/prompts.json (it reassembles and verifies)"

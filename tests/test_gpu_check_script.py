@@ -66,3 +66,26 @@ def test_incomplete_real_weights_stop_it(tmp_path, damage):
     assert p.returncode == 3, p.stdout + p.stderr
     want = "gguf.part2 is missing" if damage == "missing" else "does not match its sha256"
     assert want in p.stdout + p.stderr and not (tmp_path / "gguf" / "target.gguf").exists()
+
+
+def test_parts_carried_in_three_calls_are_stashed(tmp_path):
+    """Each device call that carries .gpu/ replaces the folder: the first two calls stash their
+    part with --stash, and the third finds all three (each verified) and reassembles them."""
+    import hashlib
+    import shutil
+
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "scripts", root / "scripts")
+    parts = [b"first part", b"second part", b"third part"]
+    lines = [f"{hashlib.sha256(p).hexdigest()}  gguf.part{i + 1}" for i, p in enumerate(parts)]
+    lines.append(f"{'0' * 64}  target.gguf")  # stops the check right after reassembly
+    for i, part in enumerate(parts):
+        gpu = root / ".gpu"
+        shutil.rmtree(gpu, ignore_errors=True)  # what a call carrying .gpu/ does on the device
+        gpu.mkdir()
+        (gpu / "gguf.sha256").write_text("\n".join(lines) + "\n")
+        (gpu / f"gguf.part{i + 1}").write_bytes(part)
+        p = run(tmp_path, *(["--stash"] if i < 2 else []), root=root)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "the reassembled GGUF does not match its sha256" in p.stdout + p.stderr
+    assert (tmp_path / "gguf" / "parts" / "gguf.part1").read_bytes() == parts[0]
