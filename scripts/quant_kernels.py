@@ -35,59 +35,32 @@ from onnx import helper, numpy_helper
 
 from gguf import GGMLQuantizationType, quants
 
-from dspark.export.quant import BlockWeight, from_q4_1, quantize_rtn
+from dspark.export.ort_graph import Builder, block_matmul
+from dspark.export.quant import from_q4_1, quantize_rtn
 
 MS = "com.microsoft"
 D_MODEL, QKV, INTER, VOCAB = 576, 960, 1536, 49152  # SmolLM2-135M
 ROWS = (1, 2, 4, 8, 16)
 
 
-class Graph:
-    def __init__(self):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-
-    def const(self, name: str, arr: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], out: str, domain: str = "", **attrs) -> str:
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, domain=domain, **attrs))
-        return out
+Linear = Callable[[Builder, str, np.ndarray, str], str]  # (graph, x [M, K], W [K, N], name) -> y [M, N]
 
 
-Linear = Callable[[Graph, str, np.ndarray, str], str]  # (graph, x [M, K], W [K, N], name) -> y [M, N]
-
-
-def fp32(g: Graph, x: str, w: np.ndarray, name: str) -> str:
-    return g.op("MatMul", [x, g.const(f"{name}.w", w)], name)
+def fp32(g: Builder, x: str, w: np.ndarray, name: str) -> str:
+    return g.op("MatMul", [x, g.weight(f"{name}.w", w)], name)
 
 
 def nbits(bits: int, block: int, acc: int) -> Linear:
     """MatMulNBits, symmetric, round-to-nearest weights."""
-    def lin(g: Graph, x: str, w: np.ndarray, name: str) -> str:
-        return block_linear(g, x, quantize_rtn(w, bits, block), name, acc)
+    def lin(g: Builder, x: str, w: np.ndarray, name: str) -> str:
+        return block_matmul(g, x, quantize_rtn(w, bits, block), name, rank=2, accuracy_level=acc)
     return lin
 
 
-def gguf_q4_1(g: Graph, x: str, w: np.ndarray, name: str) -> str:
+def gguf_q4_1(g: Builder, x: str, w: np.ndarray, name: str) -> str:
     """W quantized by the gguf package's Q4_1, repacked: symmetric MatMulNBits + the minimum term."""
     raw = quants.quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q4_1)
-    return block_linear(g, x, from_q4_1(raw, w.shape[0]), name, 4)
-
-
-def block_linear(g: Graph, x: str, bw: BlockWeight, name: str, acc: int) -> str:
-    """x [M, K] · W: MatMulNBits, plus x's per-block sums · offsets [K/block, N] when W has offsets."""
-    K, N = bw.shape
-    y = g.op("MatMulNBits", [x, g.const(f"{name}.q", bw.q), g.const(f"{name}.s", bw.scales)],
-             name if bw.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=bw.bits,
-             block_size=bw.block, accuracy_level=acc)
-    if bw.offsets is None:
-        return y
-    xb = g.op("Reshape", [x, g.const(f"{name}.bs", np.array([0, -1, bw.block], np.int64))], f"{name}_xb")
-    sums = g.op("ReduceSum", [xb, g.const(f"{name}.ax", np.array([-1], np.int64))], f"{name}_sums",
-                keepdims=0)  # [M, K/block]
-    return g.op("Add", [y, g.op("MatMul", [sums, g.const(f"{name}.m", bw.offsets)], f"{name}_min")], name)
+    return block_matmul(g, x, from_q4_1(raw, w.shape[0]), name, rank=2)
 
 
 def per_channel_int8(w: np.ndarray, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
@@ -95,49 +68,49 @@ def per_channel_int8(w: np.ndarray, qmax: int = 127) -> tuple[np.ndarray, np.nda
     return np.clip(np.rint(w / scale), -qmax, qmax).astype(np.int8), scale.astype(np.float32)
 
 
-def w8a8_row(g: Graph, x: str, w: np.ndarray, name: str) -> str:
+def w8a8_row(g: Builder, x: str, w: np.ndarray, name: str) -> str:
     """int8 weights per channel (7-bit range: no int16 saturation in AVX2's u8·s8 kernel), uint8
     activations with one scale per row and the constant zero point 128: QuantizeLinear (axis 0)
     -> MatMulInteger (ONNX Runtime's prepacked u8s8 kernel; s8s8 is not prepacked and ~100x
     slower) -> rescale by row scale x column scale."""
     wq, ws = per_channel_int8(w, 63)
-    amax = g.op("ReduceMax", [g.op("Abs", [x], f"{name}_abs"), g.const(f"{name}.ax", np.array([-1], np.int64))],
+    amax = g.op("ReduceMax", [g.op("Abs", [x], f"{name}_abs"), g.weight(f"{name}.ax", np.array([-1], np.int64))],
                 f"{name}_amax", keepdims=1)  # [M, 1]
-    s = g.op("Div", [g.op("Max", [amax, g.const(f"{name}.eps", np.float32(1e-12))], f"{name}_amax1"),
-                     g.const(f"{name}.127", np.float32(127))], f"{name}_s")
-    s1 = g.op("Reshape", [s, g.const(f"{name}.flat", np.array([-1], np.int64))], f"{name}_s1")  # [M]
-    zp = g.op("Expand", [g.const(f"{name}.128", np.array([128], np.uint8)), g.op("Shape", [s1], f"{name}_m")],
+    s = g.op("Div", [g.op("Max", [amax, g.weight(f"{name}.eps", np.float32(1e-12))], f"{name}_amax1"),
+                     g.weight(f"{name}.127", np.float32(127))], f"{name}_s")
+    s1 = g.op("Reshape", [s, g.weight(f"{name}.flat", np.array([-1], np.int64))], f"{name}_s1")  # [M]
+    zp = g.op("Expand", [g.weight(f"{name}.128", np.array([128], np.uint8)), g.op("Shape", [s1], f"{name}_m")],
               f"{name}_zp")  # [M]
     xq = g.op("QuantizeLinear", [x, s1, zp], f"{name}_xq", axis=0)
-    y = g.op("MatMulInteger", [xq, g.const(f"{name}.q", wq), g.const(f"{name}.zp", np.uint8(128))], f"{name}_i32")
+    y = g.op("MatMulInteger", [xq, g.weight(f"{name}.q", wq), g.weight(f"{name}.zp", np.uint8(128))], f"{name}_i32")
     y = g.op("Mul", [g.op("Cast", [y], f"{name}_f", to=TP.FLOAT), s], f"{name}_r")
-    return g.op("Mul", [y, g.const(f"{name}.ws", ws)], name)
+    return g.op("Mul", [y, g.weight(f"{name}.ws", ws)], name)
 
 
-def dynamic_per_tensor(g: Graph, x: str, w: np.ndarray, name: str) -> str:
+def dynamic_per_tensor(g: Builder, x: str, w: np.ndarray, name: str) -> str:
     """DynamicQuantizeMatMul: one activation scale per call (couples rows; a reference only)."""
     wq, ws = per_channel_int8(w)
-    return g.op("DynamicQuantizeMatMul", [x, g.const(f"{name}.q", wq), g.const(f"{name}.ws", ws)], name, domain=MS)
+    return g.op("DynamicQuantizeMatMul", [x, g.weight(f"{name}.q", wq), g.weight(f"{name}.ws", ws)], name, domain=MS)
 
 
 def qdq_int4(block: int) -> Linear:
     """Signed int4 DequantizeLinear (blocked along K, no zero point) -> MatMul: the portable form,
     which ONNX Runtime fuses into MatMulNBits."""
-    def lin(g: Graph, x: str, w: np.ndarray, name: str) -> str:
+    def lin(g: Builder, x: str, w: np.ndarray, name: str) -> str:
         K, N = w.shape
         bw = quantize_rtn(w, 4, block)
         signed = bw.codes().astype(np.int64) - 8  # [N, K/block, block]
         q = signed.reshape(N, -1)[:, :K].T  # [K, N]
         g.inits.append(helper.make_tensor(f"{name}.q", TP.INT4, [K, N], q.flatten().tolist()))
-        dq = g.op("DequantizeLinear", [f"{name}.q", g.const(f"{name}.s", np.ascontiguousarray(bw.scales.T))],
+        dq = g.op("DequantizeLinear", [f"{name}.q", g.weight(f"{name}.s", np.ascontiguousarray(bw.scales.T))],
                   f"{name}_dq", axis=0, block_size=block)
         return g.op("MatMul", [x, dq], name)
     return lin
 
 
-def qdq_int8_channel(g: Graph, x: str, w: np.ndarray, name: str) -> str:
+def qdq_int8_channel(g: Builder, x: str, w: np.ndarray, name: str) -> str:
     wq, ws = per_channel_int8(w)
-    dq = g.op("DequantizeLinear", [g.const(f"{name}.q", wq), g.const(f"{name}.s", ws)], f"{name}_dq", axis=1)
+    dq = g.op("DequantizeLinear", [g.weight(f"{name}.q", wq), g.weight(f"{name}.s", ws)], f"{name}_dq", axis=1)
     return g.op("MatMul", [x, dq], name)
 
 
@@ -177,14 +150,14 @@ def random_weights(layers: int, seed: int = 0) -> tuple[list[dict[str, np.ndarra
 
 def build(c: Candidate, blocks: list[dict[str, np.ndarray]], head: np.ndarray) -> onnx.ModelProto:
     """x [M, d] -> logits [M, V] through the layers' linear maps."""
-    g = Graph()
-    norm = g.const("norm_w", np.ones(D_MODEL, np.float32))
+    g = Builder()
+    norm = g.weight("norm_w", np.ones(D_MODEL, np.float32))
     h = "x"
     for i, b in enumerate(blocks):
         qkv = c.body(g, h, b["qkv"], f"qkv{i}")
-        att = g.op("Slice", [qkv, g.const(f"s0_{i}", np.array([0], np.int64)),
-                             g.const(f"s1_{i}", np.array([D_MODEL], np.int64)),
-                             g.const(f"ax_{i}", np.array([1], np.int64))], f"att{i}")  # stands in for attention
+        att = g.op("Slice", [qkv, g.weight(f"s0_{i}", np.array([0], np.int64)),
+                             g.weight(f"s1_{i}", np.array([D_MODEL], np.int64)),
+                             g.weight(f"ax_{i}", np.array([1], np.int64))], f"att{i}")  # stands in for attention
         o = c.body(g, att, b["o"], f"o{i}")
         g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [o, h, norm], [f"hn{i}", "", "", f"r{i}"],
                                         name=f"ln{i}", domain=MS, epsilon=1e-5))
@@ -231,7 +204,7 @@ def fused_ops(sess_model: onnx.ModelProto, threads: int) -> str:
 
 def one_layer(c: Candidate, w: np.ndarray) -> tuple[float, float]:
     """(relative error against x·W in fp32, row coupling) of `c` on the weight w alone."""
-    g = Graph()
+    g = Builder()
     c.body(g, "x", w, "y")
     graph = helper.make_graph(g.nodes, "one", [helper.make_tensor_value_info("x", TP.FLOAT, ["M", w.shape[0]])],
                               [helper.make_tensor_value_info("y", TP.FLOAT, ["M", w.shape[1]])], g.inits)
