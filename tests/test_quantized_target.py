@@ -20,6 +20,7 @@ from dspark.export.ort_graph import MS, Builder, block_matmul
 from dspark.export.precision import dequantize_into, describe, target_weights
 from dspark.export.quant import BlockWeight, concat_n, from_q4_1, from_q8_0, quantize_rtn, take_n
 from dspark.runtime import Engine
+from dspark.runtime.backends.onnxruntime import session_options
 from dspark.runtime.errors import BackendError, CheckpointError
 from dspark.runtime.manifest import Manifest
 
@@ -74,9 +75,7 @@ def block_session(w: BlockWeight) -> ort.InferenceSession:
     graph = helper.make_graph(g.nodes, "one", [helper.make_tensor_value_info("x", TP.FLOAT, ["M", K])],
                               [helper.make_tensor_value_info("y", TP.FLOAT, ["M", N])], g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
 
 
 @pytest.mark.parametrize("form", ["q4_1", "q8_0", "rtn4"])
