@@ -180,7 +180,9 @@ def test_manifest_records_the_precision(int4_bundle):
 
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold", "prefix", "async", "cost"])
 def test_greedy_output_equals_the_quantized_graph_alone(int4_engine, scheduler):
-    """Lossless on a quantized target: the same graph, with and without speculation."""
+    """Lossless on a quantized target: the same graph, with and without speculation. On these
+    tiny random models only: on the real SmolLM2, int8 activation rounding amplifies attention's
+    rounding differences between query lengths and this fails (docs/quantization.md)."""
     for prompt in PROMPTS:
         alone = int4_engine.generate(prompt, max_new_tokens=40, scheduler="none")
         spec = int4_engine.generate(prompt, max_new_tokens=40, scheduler=scheduler)
