@@ -147,6 +147,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        precision_meta = {"name": precision, **describe(weights),
+                          **({"accuracy_level": ACCURACY_LEVEL} if weights else {})}
         tok = target.tokenizer
         manifest = Manifest(
             name=name or out.name,
@@ -162,8 +164,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             drafter_label=label,
             source_hashes={"target": sha256(target.source),
                            "drafter": sha256(drafter_source) if drafter_source else "untrained"},
-            extra={"ops": ops, "precision": {"name": precision, **describe(weights),
-                                             **({"accuracy_level": ACCURACY_LEVEL} if weights else {})}, **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
+            extra={"ops": ops, "precision": precision_meta,
+                   **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         manifest.save(tmp)
