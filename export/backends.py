@@ -10,6 +10,7 @@ from dspark.runtime.manifest import Manifest
 
 from .bundle import resolve_drafter, sha256
 from .cuda_graph_backend import cuda_graph_backend
+from .precision import dequantize_into, target_weights
 from .target_loader import load_target
 from .torch_backend import TorchBackend
 
@@ -26,6 +27,7 @@ def torch_backend(name: str, manifest: Manifest, max_seq: int, target_path: str 
     if sha256(target.source) != manifest.source_hashes.get("target"):
         raise InputError(f"target {target.source} is not the model bundle {manifest.name!r} was exported from "
                          f"(sha256 differs from the manifest's); pass --target with the exported source")
+    dequantize_into(target.model, target_weights(target.model, target.source, manifest.precision))
     drafter, _, source = resolve_drafter(target, drafter_path)
     got = sha256(source) if source else "untrained"
     if got != manifest.source_hashes.get("drafter"):

@@ -19,7 +19,8 @@ from .checkpoint import load_drafter
 from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
-from .ort_graph import export_drafter_ort, export_target_ort, supports_ort_graph
+from .ort_graph import ACCURACY_LEVEL, export_drafter_ort, export_target_ort, supports_ort_graph
+from .precision import dequantize_into, describe, target_weights
 from .target_loader import LoadedTarget, default_target_path, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
@@ -58,12 +59,15 @@ def resolve_drafter(target: LoadedTarget, drafter_path: str | Path | None) -> tu
     return drafter, str(path), path
 
 
-def reusable_target(bundle: Path, target: LoadedTarget, drafter: Drafter) -> Manifest:
+def reusable_target(bundle: Path, target: LoadedTarget, drafter: Drafter, precision: str) -> Manifest:
     """The manifest of `bundle` if its target graphs can serve `drafter`: same target source
-    (by hash) and the same feature layers; otherwise a clear error."""
+    (by hash), same precision and the same feature layers; otherwise a clear error."""
     old = Manifest.load(bundle)
     if old.source_hashes.get("target") != sha256(target.source):
         raise CheckpointError(f"--reuse-target {bundle}: its target graphs come from another target model")
+    if old.precision != precision:
+        raise CheckpointError(f"--reuse-target {bundle}: its target graphs are {old.precision}, "
+                              f"not --precision {precision}")
     if tuple(old.drafter.target_layer_ids) != tuple(drafter.cfg.target_layer_ids):
         raise CheckpointError(f"--reuse-target {bundle}: its target graphs return the features of layers "
                               f"{list(old.drafter.target_layer_ids)}, the drafter needs {list(drafter.cfg.target_layer_ids)}")
@@ -83,18 +87,27 @@ def draft_vocab(size: int, target: LoadedTarget, drafter_source: Path | None) ->
 
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
                   name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None,
-                  draft_vocab_size: int | None = None) -> Manifest:
+                  draft_vocab_size: int | None = None, precision: str = "fp32") -> Manifest:
     """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
     hard-linked (or copied) instead of exported again: a new drafter in seconds.
-    `draft_vocab_size`: the drafter graphs propose only that many ids (draft_vocab.py)."""
+    `draft_vocab_size`: the drafter graphs propose only that many ids (draft_vocab.py).
+    `precision`: the target's weights (precision.py). The torch model then holds the numbers
+    the quantized weights stand for, so the portable graph and the drafter's shared embeddings
+    are exported from them; the ONNX Runtime graph reads the blocks themselves."""
     out = Path(out)
     steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
     target = load_target(target_path)
+    weights = target_weights(target.model, target.source, precision)
+    if weights and not supports_ort_graph(target.model.cfg):
+        raise CheckpointError(f"--precision {precision} runs only in the ONNX Runtime target graph, which this "
+                              f"architecture cannot have (head size {target.model.cfg.head_dim}, not a multiple of "
+                              f"16); use --precision fp32")
+    dequantize_into(target.model, weights)
     steps.update()
     steps.set_postfix_str("loading drafter")
     drafter, label, drafter_source = resolve_drafter(target, drafter_path)
-    reused = reusable_target(Path(reuse_target), target, drafter) if reuse_target else None
+    reused = reusable_target(Path(reuse_target), target, drafter, precision) if reuse_target else None
     vocab, vocab_note = (None, None) if draft_vocab_size is None else draft_vocab(draft_vocab_size, target, drafter_source)
     steps.update()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +129,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
                 if supports_ort_graph(target.model.cfg):
                     steps.set_postfix_str("writing ONNX Runtime target graph")
                     ops["target_ort"] = export_target_ort(target.model, drafter.cfg.target_layer_ids,
-                                                          tmp / "target_ort.onnx")
+                                                          tmp / "target_ort.onnx", weights)
                     graphs["target_ort"] = "target_ort.onnx"
                 steps.update()
             steps.set_postfix_str("exporting drafter graph")
@@ -134,6 +147,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             steps.update()
         steps.set_postfix_str("writing bundle")
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        precision_meta = {"name": precision, **describe(weights),
+                          **({"accuracy_level": ACCURACY_LEVEL} if weights else {})}
         tok = target.tokenizer
         manifest = Manifest(
             name=name or out.name,
@@ -149,7 +164,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             drafter_label=label,
             source_hashes={"target": sha256(target.source),
                            "drafter": sha256(drafter_source) if drafter_source else "untrained"},
-            extra={"ops": ops, **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
+            extra={"ops": ops, "precision": precision_meta,
+                   **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
         manifest.save(tmp)

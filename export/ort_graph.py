@@ -6,7 +6,8 @@ runs this variant instead: per layer one fused RMSNorm+residual
 (`SkipSimplifiedLayerNormalization`), one q/k/v projection and one
 `GroupQueryAttention` that applies RoPE and writes the new K/V rows in place into the
 static cache buffer it is given (past and present bound to the same memory).
-It is the one deliberate second lowering of `TargetModel.forward`: the torch exporter
+Quantized weights (precision.py: `--precision gguf/int8/int4`) become `MatMulNBits` with int8
+activations (`block_matmul`). It is the one deliberate second lowering of `TargetModel.forward`: the torch exporter
 cannot emit these contrib ops, so it is written here, and the parity tests
 (tests/test_ort_runtime.py, tests/test_default_bundle.py) pin it to the reference.
 
@@ -29,10 +30,14 @@ from dspark.runtime.graph_io import PAST, TARGET_ORT_INPUTS, kv_names, target_or
 
 from .layers import rope_cos_sin
 from .onnx_export import graph_ops
+from .quant import BlockWeight, concat_n
 from .target import TargetModel
 from .tensorrt_ops import walk_nodes
 
 MS = "com.microsoft"
+# int8 activations, quantized per row and per block of K: the only fast MatMulNBits on the CPU
+# (accuracy levels 0 and 1 are slower than fp32), and rows stay apart (docs/quantization.md)
+ACCURACY_LEVEL = 4
 
 
 def supports_ort_graph(cfg) -> bool:
@@ -40,7 +45,7 @@ def supports_ort_graph(cfg) -> bool:
     return cfg.head_dim % 16 == 0
 
 
-class _Builder:
+class Builder:
     def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -57,12 +62,44 @@ class _Builder:
         return outs[0]
 
 
-def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> onnx.ModelProto:
+def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, rank: int,
+                 accuracy_level: int = ACCURACY_LEVEL) -> str:
+    """x [..., K] (`rank` axes) · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points:
+    onnxruntime #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF
+    Q4_1's minimum, kept exactly)."""
+    K, N = w.shape
+    y = g.op("MatMulNBits", [x, g.weight(f"{name}.q", w.q), g.weight(f"{name}.scales", w.scales)],
+             name if w.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=w.bits, block_size=w.block,
+             accuracy_level=accuracy_level)
+    if w.offsets is None:
+        return y
+    blocks = g.op("Reshape", [x, g.weight(f"{name}.blocks", np.array([0] * (rank - 1) + [-1, w.block], np.int64))],
+                  f"{name}_blocks")  # [..., K/block, block]
+    sums = g.op("ReduceSum", [blocks, g.weight(f"{name}.axis", np.array([-1], np.int64))], f"{name}_sums",
+                keepdims=0)  # [..., K/block]
+    return g.op("Add", [y, g.op("MatMul", [sums, g.weight(f"{name}.offsets", w.offsets)], f"{name}_min")], name)
+
+
+def _linear(g: Builder, x: str, name: str, model: TargetModel, params: list[str],
+            weights: dict[str, BlockWeight], rank: int = 3) -> str:
+    """x · W for W = the named nn.Linear weights ([out, in]) side by side along N: quantized
+    when `weights` holds them, else one fp32 MatMul."""
+    if params[0] in weights:
+        return block_matmul(g, x, concat_n([weights[p] for p in params]), name, rank)
+    w = torch.cat([model.get_parameter(p) for p in params]).T  # [in, Σ out]
+    return g.op("MatMul", [x, g.weight(name, w)], name)
+
+
+def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
+                     weights: dict[str, BlockWeight] | None = None) -> onnx.ModelProto:
+    """weights: the quantized linear weights by parameter name (precision.py); the others, and
+    the embedding, are the model's own (fp32)."""
+    weights = weights or {}
     c = model.cfg
     L, H, Hkv, D, eps = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
     ids_in, index_in, seqlens_in, total_in = TARGET_ORT_INPUTS
     past, (logits_out, features_out, *present) = kv_names(PAST, L), target_ort_outputs(L)
-    g = _Builder()
+    g = Builder()
     embed = g.weight("embed_tokens", model.embed_tokens.weight)
     cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings)[None], D, c.rope_theta)  # [1, max_pos, 1, D]
     cos, sin = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
@@ -77,9 +114,9 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
              "h_0", axis=-1, epsilon=eps)
     for i, layer in enumerate(model.layers):
-        a, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).T  # [d, (H+2Hkv)D]
-        qkv = g.op("MatMul", [h, g.weight(f"qkv_{i}", qkv)], f"qkv_{i}")
+        a = layer.self_attn
+        qkv = _linear(g, h, f"qkv_{i}", model, [f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"],
+                      weights)  # [B, S, (H+2Hkv)D]
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
             g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
             q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
@@ -96,18 +133,18 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
                  [*attn_in, past[i], past[L + i], seqlens_in, total_in, cos, sin],
                  [f"attn_{i}", present[i], present[L + i]], domain=MS,
                  num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
-        o = g.op("MatMul", [o, g.weight(f"o_{i}", a.o_proj.weight.T)], f"o_{i}")
+        o = _linear(g, o, f"o_{i}", model, [f"layers.{i}.self_attn.o_proj.weight"], weights)
         h = g.op("SkipSimplifiedLayerNormalization",
                  [o, resid, g.weight(f"norm_post_{i}", layer.post_attention_layernorm.weight)],
                  [f"hp_{i}", "", "", f"resid_attn_{i}"], domain=MS, epsilon=eps)
         resid = f"resid_attn_{i}"  # residual stream after attention
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T  # [d, 2I]
-        gu = g.op("MatMul", [h, g.weight(f"gate_up_{i}", gate_up)], f"gu_{i}")
+        gu = _linear(g, h, f"gu_{i}", model, [f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")],
+                     weights)  # [B, S, 2I]
         g.op("Split", [gu], [f"gate_{i}", f"up_{i}"], axis=-1, num_outputs=2)
         gate, up = f"gate_{i}", f"up_{i}"
         act = g.op("QuickGelu", [gate], f"silu_{i}", domain=MS, alpha=1.0)  # x·sigmoid(x)
-        m = g.op("MatMul", [g.op("Mul", [act, up], f"act_{i}"), g.weight(f"down_{i}", mlp.down_proj.weight.T)],
-                 f"mlp_{i}")
+        m = _linear(g, g.op("Mul", [act, up], f"act_{i}"), f"mlp_{i}", model, [f"layers.{i}.mlp.down_proj.weight"],
+                    weights)
         next_norm = model.layers[i + 1].input_layernorm.weight if i + 1 < L else model.norm.weight
         h = g.op("SkipSimplifiedLayerNormalization", [m, resid, g.weight(f"norm_next_{i}", next_norm)],
                  [f"h_{i + 1}", "", "", f"resid_{i + 1}"], domain=MS, epsilon=eps)
@@ -122,8 +159,11 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
                "idx_exp")
     rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
     flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
-    lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
-    logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
+    if "lm_head.weight" in weights:
+        logits = block_matmul(g, flat, weights["lm_head.weight"], "logits_flat", rank=2)  # [B*K, V]
+    else:
+        lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
+        logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
     out_shape = g.op("Concat", [g.op("Shape", [index_in], "k_shape"),
                                 g.weight("vocab", np.array([c.vocab_size], np.int64))], "logits_shape", axis=0)
     g.op("Reshape", [logits, out_shape], logits_out)
@@ -141,9 +181,10 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...]) -> 
                              producer_name="dspark-trt")
 
 
-def export_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...], path: Path) -> list[str]:
+def export_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...], path: Path,
+                      weights: dict[str, BlockWeight] | None = None) -> list[str]:
     with torch.no_grad():
-        proto = build_target_ort(model, tuple(feature_layer_ids))
+        proto = build_target_ort(model, tuple(feature_layer_ids), weights)
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
     # onnx.checker knows no contrib ops (SimplifiedLayerNormalization is registered by ONNX

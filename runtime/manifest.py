@@ -32,6 +32,11 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # SPS tables, calibration, engine metadata
 
     @property
+    def precision(self) -> str:
+        """The target's weights: fp32, or a quantized precision of `dspark export --precision`."""
+        return self.extra.get("precision", {}).get("name", "fp32")
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return tuple(self.special_tokens.get("stop_token_ids", ()))
 

@@ -397,3 +397,19 @@ def test_four_requests_at_once_match_the_target_distribution(models, tables, nam
         assert 0.1 * cycles < drafted < 0.9 * cycles, f"{drafted} of {cycles} steps drafted"
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_target_distribution(precision, tmp_path):
+    """The same test with the target's weights quantized as `dspark export --precision` does
+    (the torch reference of the quantized target: the dequantized weights, fp32 arithmetic)."""
+    from dspark.export.precision import dequantize_into, target_weights
+
+    target, drafter = build_models()
+    before = target.layers[0].mlp.down_proj.weight.detach().clone()
+    dequantize_into(target, target_weights(target, tmp_path, precision))
+    assert not torch.equal(before, target.layers[0].mlp.down_proj.weight)
+    tables = Tables(target, drafter)
+    counts, _ = sample_histogram((target, drafter), SCHEDULERS["fixed"], N_SAMPLES["fixed"])
+    pvalue = chi_square_pvalue(target_joint(tables), counts)
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} at {precision}: not the target's distribution"

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..errors import BundleError, InputError
+from ..errors import BackendError, BundleError, InputError
 from ..graph_io import CTX, NEW, PAST, PRESENT, DrafterInputs, TargetInputs, TargetOrtInputs, kv_names
 from ..kv import KVBuffers, row_mask
 from ..manifest import Manifest
@@ -146,6 +146,12 @@ class OrtBackend:
         self.on_run: RunHook | None = None
         self.in_place = "target_ort" in manifest.graphs and (
             target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
+        if manifest.precision != "fp32" and (not self.in_place or slots > 1):
+            # the portable graph holds the fp32 reference of the quantized weights, another arithmetic
+            raise BackendError(f"bundle {bundle} has a {manifest.precision} target, which only its ONNX Runtime graph "
+                               f"runs (target_ort, one request at a time: concurrent requests verify through the "
+                               f"portable graph); use target graph auto or ort on the CPU provider with slots 1, or "
+                               f"export with --precision fp32")
         t, d = manifest.target, manifest.drafter
         L = t.num_layers
         self.block_size = d.block_size if speculative else 0

@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="hard-link the target graphs of this "
                    "bundle (same target, same feature layers) instead of exporting them again: a new drafter "
                    "in seconds")
+    p.add_argument("--precision", default="fp32", help="the target's weights: fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
+                   "repacked), int8 or int4 (block-wise round-to-nearest of a float source; the LM head 8-bit). "
+                   "Quantized targets run with int8 activations in the ONNX Runtime graph, one request at a time; "
+                   "experimental: not yet lossless on real models (docs/quantization.md)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="K", help="the drafter graphs propose only "
                    "K token ids: the K most frequent in the drafter's training responses (its token_counts.json; "
                    "else the K lowest ids, BPE merge order) plus the stop tokens. Cuts the drafter's LM head to "
@@ -223,8 +227,8 @@ def cmd_export(args) -> int:
     except ImportError as e:
         raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
     m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target,
-                      draft_vocab_size=args.draft_vocab)
-    print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers, drafter γ={m.drafter.block_size} "
+                      draft_vocab_size=args.draft_vocab, precision=args.precision)
+    print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers ({m.precision}), drafter γ={m.drafter.block_size} "
           f"({m.drafter_label})")
     return 0
 

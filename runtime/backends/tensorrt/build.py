@@ -48,6 +48,9 @@ def build_tensorrt(bundle: str | Path, *, precision: str = "fp32", max_seq: int 
     if missing:
         raise BundleError(f"bundle {bundle} has no ONNX graph for {', '.join(missing)}: nothing to build from; "
                           f"re-run `dspark export`")
+    if manifest.precision != "fp32":
+        raise BackendError(f"bundle {bundle} has a {manifest.precision} target; TensorRT builds from fp32 bundles "
+                           f"only: re-export with --precision fp32")
     trt = import_tensorrt()
     gpu = gpu_info()
     prec = check_precision(precision, manifest.dtype, gpu.compute)
