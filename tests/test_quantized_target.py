@@ -168,7 +168,8 @@ def int4_bundle(tiny_bundle, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def int4_engine(int4_bundle):
-    return Engine.load(int4_bundle, max_seq=256, threads=1)
+    with pytest.warns(UserWarning, match="experimental int4 target"):  # not yet lossless on real models
+        return Engine.load(int4_bundle, max_seq=256, threads=1)
 
 
 def test_manifest_records_the_precision(int4_bundle):
