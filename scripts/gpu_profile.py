@@ -207,13 +207,14 @@ def fewer_syncs(be) -> None:
     be.draft, be.verify = draft, verify
 
 
-VARIANTS = {  # name -> (tf32, bf16, host acceptance, fewer syncs)
+VARIANTS = {  # name -> (tf32, bf16, host acceptance, fewer syncs); in this order, the last skipped first
     "fp32": (False, False, False, False),
-    "tf32": (True, False, False, False),
     "bf16": (False, True, False, False),
-    "host-accept": (False, False, True, False),
+    "tf32": (True, False, False, False),
     "fewer-syncs": (False, False, False, True),
     "bf16+fewer-syncs": (False, True, False, True),
+    "tf32+fewer-syncs": (True, False, False, True),
+    "host-accept": (False, False, True, False),
 }
 
 
@@ -241,7 +242,8 @@ def entry_for(env: Env, be, role: str, B: int, S: int, P: int):
         for key, e in runner.entries.items():
             shapes = dict(key[1:])
             rows = shapes["input_ids" if role == "target" else "features"]
-            if rows[:2] == (B, S) and shapes["past_mask"] == (B, P):
+            logits_all = role == "drafter" or shapes["logit_index"] == (B, S)  # not a prefill chunk
+            if rows[:2] == (B, S) and shapes["past_mask"] == (B, P) and logits_all:
                 return e
         return None
 
@@ -433,7 +435,7 @@ def check_steps(env: Env, res: dict) -> None:
         for role, S in (("target", 1), ("target", GAMMA + 1), ("drafter", 3)):
             e = entry_for(env, be, role, B, S, P)
             name = f"{role} B={B} S={S} P={P}"
-            r = out[name] = {"graph_ms": graph_ms(env, e), **replay_profile(env, e)}
+            r = out[name] = {"graph_ms": graph_ms(env, e), "graphed": e.graphed, **replay_profile(env, e)}
             if env.device == "cuda" and not r["replays_traced"]:
                 eager = eager or env.backend(slots=B, graphs=False)
                 r["eager_call"] = eager_profile(env, eager, role, B, S, P)
@@ -656,7 +658,7 @@ def check_variants(env: Env, res: dict, save) -> None:
     m = env.models
     out = res["variants"] = {}
     ref: dict[str, list[list[int]]] = {}
-    for name in VARIANTS:
+    for name in env.args.variants.split(","):
         if env.left() < (10 if env.smoke else 20):
             out[name] = {"skipped": f"budget: {env.left():.0f} s left"}
             continue
@@ -669,14 +671,14 @@ def check_variants(env: Env, res: dict, save) -> None:
             for q in m.prompts:
                 toks["dspark"].append(generate(be, q, env.params(env.tokens), FixedLength()).token_ids)
                 toks["alone"].append(generate(be, q, env.params(env.tokens), None).token_ids)
-            if name == "fp32":
-                ref = toks
+            if not ref:  # the first variant run is the reference (fp32 unless --variants says otherwise)
+                ref, out["reference"] = toks, name
             if be.tf32_setting:
                 import torch
 
                 row["tf32"] = {"set": be.tf32_setting, "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                                "float32_matmul_precision": torch.get_float32_matmul_precision()}
-            row["greedy_vs_fp32"] = {k: [first_split(r, t) for r, t in zip(ref[k], toks[k])] for k in toks}
+            row["greedy_vs_reference"] = {k: [first_split(r, t) for r, t in zip(ref[k], toks[k])] for k in toks}
             runs = {}
             for kind, sched in (("alone", None), ("dspark", FixedLength())):
                 generate(be, m.prompts[0], p_bench, sched)
@@ -691,6 +693,9 @@ def check_variants(env: Env, res: dict, save) -> None:
                 "draft_ms": 1e3 * d.times["draft"] / d.cycles, "verify_ms": 1e3 * d.times["verify"] / d.cycles,
                 "alone_step_ms": 1e3 * a.times["decode"] / a.cycles}
             g = row["graph_time_ms"] = graph_times(env, be)
+            failures = {role: st.capture_failures for role, st in be.stats.items() if st.capture_failures}
+            if failures:  # such buckets ran eagerly: their graph_time is an eager call's
+                row["capture_failures"] = failures
             P = be.buckets.context(env.start)
             t1, t8, d3 = g[f"target B=1 S=1 P={P}"], g[f"target B=1 S={GAMMA + 1} P={P}"], g[f"drafter B=1 S=3 P={P}"]
             row["graphs_only_efficiency"] = round(t1 / (t8 + d3), 3)  # the bound with nothing outside graphs
@@ -703,7 +708,7 @@ def check_variants(env: Env, res: dict, save) -> None:
                 del be4
             print(f"variant {name}: efficiency {r['efficiency']:.3f} (graphs only {row['graphs_only_efficiency']}), "
                   f"cycle {r['cycle_ms']:.3f} ms, alone {r['alone_step_ms']:.3f} ms, tau {r['tau']:.2f}; "
-                  f"{row['greedy_vs_fp32']}; {g}", flush=True)
+                  f"{row['greedy_vs_reference']}; {g}", flush=True)
             del be
         except Exception as e:  # noqa: BLE001 — one variant failing does not stop the others
             row["error"] = f"{type(e).__name__}: {e}"
@@ -745,7 +750,8 @@ def compile_child(args) -> int:
         key = f"{role} B=1 S={S} P={P}"
         try:
             e = entry_for(env, comp, role, 1, S, P)  # compiles (in the capture's warm-up), then captures
-            row = {"compile_and_capture_s": round(time.perf_counter() - t0, 1), "graph_ms": graph_ms(env, e),
+            row = {"compile_and_capture_s": round(time.perf_counter() - t0, 1), "graphed": e.graphed,
+                   "capture_failures": comp.runners[role].stats.capture_failures, "graph_ms": graph_ms(env, e),
                    "plain_graph_ms": graph_ms(env, entry_for(env, plain, role, 1, S, P))}
             first = "logits" if role == "target" else "draft_tokens"
             po, co = entry_for(env, plain, role, 1, S, P).run(), e.run()
@@ -816,13 +822,13 @@ def summary(res: dict) -> str:
         if "run" in v:
             r = v["run"]
             if name == "fp32":
-                lines.append(f"  (for 0.8 at this step cost a cycle may take {r['alone_step_ms'] / 0.8:.3f} ms: "
-                             f"{r['alone_step_ms'] * 1.25 - r['cycle_ms']:+.3f} ms against fp32's cycle)")
+                lines.append(f"  (efficiency 0.8 at fp32's target step needs a cycle of about "
+                             f"{r['alone_step_ms'] / 0.8:.3f} ms; fp32's takes {r['cycle_ms']:.3f} ms)")
             lines.append(f"  {name:18s} eff {r['efficiency']:.3f} graphs-only {v['graphs_only_efficiency']:.3f} "
                          f"cycle {r['cycle_ms']:.3f} ms (draft {r['draft_ms']:.3f} verify {r['verify_ms']:.3f}) "
                          f"alone {r['alone_step_ms']:.3f} ms; outside graphs {v['outside_graphs_ms']}")
             lines.append(f"  {'':18s} graph ms {v['graph_time_ms']}")
-            lines.append(f"  {'':18s} greedy vs fp32 {v['greedy_vs_fp32']}")
+            lines.append(f"  {'':18s} greedy vs reference {v['greedy_vs_reference']}")
         else:
             lines.append(f"  {name:18s} {v.get('skipped') or v.get('error')}")
     if "compile" in res:
@@ -843,8 +849,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny random model on the CPU stand-in device")
     p.add_argument("--budget", type=float, default=165.0, help="seconds for everything (sections skip past it)")
     p.add_argument("--compile-limit", type=float, default=70.0, help="seconds for the torch.compile subprocess")
+    p.add_argument("--sections", default="steps,cycle,variants,compile", help="which sections run, in order")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"which variants run (of {', '.join(VARIANTS)})")
     p.add_argument("--compile-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     signal.signal(signal.SIGTERM, _stopped)
     if args.compile_child:
         return compile_child(args)
@@ -878,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = [("steps", lambda: check_steps(env, res)), ("cycle", lambda: check_cycle(env, res, out)),
                 ("variants", lambda: check_variants(env, res, save)),
                 ("compile", lambda: check_compile(env, res, argv))]
+    wanted = args.sections.split(",")
+    sections = [s for s in sections if s[0] in wanted]
     failed = False
     for name, run in sections:
         t1 = time.perf_counter()

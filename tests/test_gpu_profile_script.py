@@ -28,10 +28,11 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert any(c.startswith("upload input_ids @ steps.py") for c in codes)
     assert any(c.startswith("compute (acceptance rule") for c in codes)  # the device acceptance rule ran
     v = res["variants"]
-    assert set(v) - {"ok", "seconds"} == {"fp32", "tf32", "bf16", "host-accept", "fewer-syncs", "bf16+fewer-syncs"}
+    assert v["reference"] == "fp32" and set(v) - {"ok", "seconds", "reference"} == {"fp32", "tf32", "bf16", "host-accept", "fewer-syncs", "bf16+fewer-syncs",
+                                          "tf32+fewer-syncs"}
     for name, row in v.items():
         if isinstance(row, dict):
-            assert row["greedy_vs_fp32"]["dspark"] == ["identical"] * 3, (name, row["greedy_vs_fp32"])
+            assert row["greedy_vs_reference"]["dspark"] == ["identical"] * 3, (name, row["greedy_vs_reference"])
             assert row["run"]["tau"] > 1 and "target B=1 S=8 P=64" in row["graph_time_ms"]
     assert "target B=4 S=8 P=64" in v["bf16"]["graph_time_ms"]
     assert res["compile"]["skipped"] == "smoke mode"
