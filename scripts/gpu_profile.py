@@ -622,6 +622,8 @@ def check_cycle(env: Env, res: dict, out_dir: Path) -> None:
     instrument(be, tr)
     wall, n = run_cycles(env, be, tr, env.cycles)
     out = res["cycle"] = {"host": {"cycles": n, "wall_ms_per_cycle": round(1e3 * wall / max(n, 1), 4),
+                                   "note": "each labelled call adds a perf_counter pair and a record_function "
+                                           "(about 1-2 us) to the times above it",
                                    "by_code": tr.table(max(n, 1))}}
     print(f"cycle host: {out['host']['wall_ms_per_cycle']} ms per cycle; "
           + "; ".join(f"{r['code']}: {r['ms_per_cycle']} ms (self {r['self_ms_per_cycle']})"
