@@ -41,6 +41,19 @@ def test_smoke_mode_runs_every_section(tmp_path):
     assert "variants (batch 1)" in (out / "gpu_profile.txt").read_text()
 
 
+def test_without_a_gpu_it_says_so(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_profile.sh")], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and "no GPU" in p.stdout + p.stderr
+    assert "no GPU" in json.loads((tmp_path / "gpu_profile.json").read_text())["status"]
+
+
 def _trace() -> list[dict]:
     """Two graph replays of 3 kernels each (correlation 1 and 2, the second replay with an idle gap),
     a CuPy kernel and a copy outside graphs, two cycles, and CUDA API calls in labelled code."""
