@@ -22,14 +22,7 @@ GPU="$ROOT/.gpu"
 GGUF_DIR="${GGUF_DIR:-/tmp/dspark-gguf}"
 WHEEL_SITE="${WHEEL_SITE:-/tmp/site}"
 mkdir -p "$OUT"
-SITE="$(mktemp -d)"  # `dspark` -> this checkout, as the editable install maps it
-trap 'rm -rf "$SITE"' EXIT
-mkdir -p "$SITE/dspark"
-ln -s "$ROOT/export" "$SITE/dspark/export"
-ln -s "$ROOT/runtime" "$SITE/dspark/runtime"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "nvidia-smi: not available") \
-  > "$OUT/nvidia-smi.txt" 2>&1
+source "$ROOT/scripts/gpu_env.sh"  # `dspark` -> this checkout; nvidia-smi.txt; the environment
 : > "$OUT/gpu_check.log"
 
 stash() {  # keep the parts this call carried: the next call's .gpu/ replaces this one's
@@ -71,7 +64,6 @@ if [ -f "$GPU/gguf.sha256" ] && [[ " $* " != *" --smoke "* ]]; then
       | tee -a "$OUT/gpu_check.log" >&2
   fi
 fi
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 timeout 400 python3 "$ROOT/scripts/gpu_check.py" --out "$OUT" "${args[@]}" 2>&1 | tee -a "$OUT/gpu_check.log"
 rc=${PIPESTATUS[0]}
 if [ -n "$incomplete" ] && [ "$rc" -ne 124 ]; then
