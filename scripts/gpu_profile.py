@@ -744,6 +744,10 @@ def compile_child(args) -> int:
 
     env = Env(args, build_models(args.smoke))
     plain, comp = env.backend(), env.backend()
+    if args.compile_bf16:  # both sides in bf16: the compiled step is compared with the plain bf16 one
+        cast_bf16(plain)
+        cast_bf16(comp)
+    res["dtype"] = "bf16" if args.compile_bf16 else "fp32"
     for runner in comp.runners.values():
         runner.step.module = torch.compile(runner.step.module, dynamic=False)
     P = plain.buckets.context(env.start)
@@ -851,6 +855,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny random model on the CPU stand-in device")
     p.add_argument("--budget", type=float, default=160.0, help="seconds for everything (sections skip past it)")
     p.add_argument("--compile-limit", type=float, default=60.0, help="seconds for the torch.compile subprocess")
+    p.add_argument("--compile-bf16", action="store_true", help="compile the bf16 steps (cast as the bf16 variant "
+                   "does) instead of the fp32 ones")
     p.add_argument("--sections", default="steps,cycle,variants,compile", help="which sections run, in order")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"which variants run (of {', '.join(VARIANTS)})")
     p.add_argument("--compile-child", help=argparse.SUPPRESS)
