@@ -245,13 +245,31 @@ def check_concurrency(ctx: Context, res: dict) -> None:
     out["ok"] = all(out[f"R{r}"][n]["ok"] for r in s.concurrency for n in ("alone", "dspark"))
 
 
+def replay_ms(entry: Any, reps: int, cuda: bool) -> float:
+    """Device time of one replay of a step's entry: CUDA events around `reps` replays after a
+    warm one (wall time on the CPU stand-in)."""
+    entry.run()
+    if cuda:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            entry.run()
+        end.record()
+        end.synchronize()
+        return round(start.elapsed_time(end) / reps, 4)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        entry.run()
+    return round(1e3 * (time.perf_counter() - t0) / reps, 4)
+
+
 def check_graph_time(ctx: Context, res: dict) -> None:
     """Device time of one replay of every captured graph at batch 1 and at the largest batch bucket
     (CUDA events around `reps` replays; wall time on the CPU stand-in), by step, batch, query rows
     and context width: what a cycle costs on the GPU, apart from the host's work. Replays rewrite
     K/V rows at the positions their buffers hold last, so this check runs after those that decode."""
-    import torch
-
     s = ctx.sizes
     out = res["graph_time"] = {}
     times = {}  # (step, batch, rows: target tokens or drafter context rows, past width) -> ms
@@ -262,21 +280,7 @@ def check_graph_time(ctx: Context, res: dict) -> None:
                 rows = shapes["input_ids" if role == "target" else "features"]
                 if not entry.graphed or shapes["past_mask"][0] not in (1, kind.slots):
                     continue
-                entry.run()
-                if ctx.device == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(s.reps):
-                        entry.run()
-                    end.record()
-                    end.synchronize()
-                    ms = start.elapsed_time(end) / s.reps
-                else:
-                    t0 = time.perf_counter()
-                    for _ in range(s.reps):
-                        entry.run()
-                    ms = 1e3 * (time.perf_counter() - t0) / s.reps
-                times[role, rows[0], rows[1], shapes["past_mask"][1]] = round(ms, 4)
+                times[role, rows[0], rows[1], shapes["past_mask"][1]] = replay_ms(entry, s.reps, ctx.device == "cuda")
     out |= {f"{role} B={b} S={n} P={p}": ms for (role, b, n, p), ms in sorted(times.items())}
     print("graph_time: " + ", ".join(f"{k}: {v:.3f} ms" for k, v in out.items()), flush=True)
     out["ok"] = True

@@ -264,23 +264,10 @@ def entry_for(env: Env, be, role: str, B: int, S: int, P: int):
 
 
 def graph_ms(env: Env, entry, reps: int | None = None) -> float:
-    """Device time of one replay: CUDA events around `reps` replays (wall time on the CPU)."""
-    reps = reps or env.reps
-    entry.run()
-    if env.device == "cuda":
-        import torch
+    """Device time of one replay (gpu_checks.replay_ms)."""
+    from gpu_checks import replay_ms
 
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            entry.run()
-        end.record()
-        end.synchronize()
-        return round(start.elapsed_time(end) / reps, 4)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        entry.run()
-    return round(1e3 * (time.perf_counter() - t0) / reps, 4)
+    return replay_ms(entry, reps or env.reps, env.device == "cuda")
 
 
 def graph_times(env: Env, be, B: int = 1, target_rows=(1, 2, 4, 8), drafter_rows=(1, 3, 8)) -> dict:
