@@ -101,8 +101,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     weights = target_weights(target.model, target.source, precision)
     if weights and not supports_ort_graph(target.model.cfg):
         raise CheckpointError(f"--precision {precision} runs only in the ONNX Runtime target graph, which this "
-                              f"architecture cannot have (head size {target.model.cfg.head_dim}, not a multiple of "
-                              f"16); use --precision fp32")
+                              f"architecture cannot have (head size {target.model.cfg.head_dim}, odd); use "
+                              f"--precision fp32")
     dequantize_into(target.model, weights)
     steps.update()
     steps.set_postfix_str("loading drafter")

@@ -3,17 +3,22 @@
 The portable graph (graphs.TargetGraph) uses standard ONNX ops only, so TensorRT can
 parse it; on ONNX Runtime's CPU provider its many small nodes are slow, so the ORT backend
 runs this variant instead: per layer one fused RMSNorm+residual
-(`SkipSimplifiedLayerNormalization`), one q/k/v projection and one
-`GroupQueryAttention` that applies RoPE and writes the new K/V rows in place into the
-static cache buffer it is given (past and present bound to the same memory).
+(`SkipSimplifiedLayerNormalization`), one q/k/v projection, `RotaryEmbedding`, and an
+attention (`_attention`) that writes the new K/V rows in place into the static cache buffer
+it is given (past and present bound to the same memory, `TensorScatter`).
 Quantized weights (precision.py: `--precision gguf/int8/int4`) become `MatMulNBits` with int8
 activations (`block_matmul`). It is the one deliberate second lowering of `TargetModel.forward`: the torch exporter
 cannot emit these contrib ops, so it is written here, and the parity tests
 (tests/test_ort_runtime.py, tests/test_default_bundle.py) pin it to the reference.
 
-inputs:  input_ids [B, S] int64, logit_index [B, K] int64, seqlens_k [B] int32 (the last
-         position written, = P + S - 1), total_len [] int32 (= P + S),
-         past_key_i / past_value_i [B, Hkv, S_max, D]
+Every op of this graph gives a query row the same bits whatever else the call holds: other
+rows (verifying S tokens is S decode steps, bit for bit) and other slots. That is what keeps a
+target with int8 activations lossless: its rounding turns 1e-7 differences into whole
+quantization steps (docs/quantization.md), so "the same graph decoding alone" must hold exactly.
+
+inputs:  input_ids [B, S] int64, logit_index [B, K] int64, starts [B] int64 (the position of
+         each row's first token), key_count [1] int64 (cache positions attention reads: at
+         least max(starts) + S), past_key_i / past_value_i [B, Hkv, S_max, D]
 outputs: logits [B, K, V], features [B, S, m*d], present_key_i / present_value_i
          (the same buffers as past_*, bound by the runtime); names from graph_io"""
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from dspark.runtime.graph_io import PAST, TARGET_ORT_INPUTS, kv_names, target_ort_outputs
+from dspark.runtime.graph_io import MASKED, PAST, TARGET_ORT_INPUTS, kv_names, target_ort_outputs
 
 from .layers import rope_cos_sin
 from .onnx_export import graph_ops
@@ -41,8 +46,8 @@ ACCURACY_LEVEL = 4
 
 
 def supports_ort_graph(cfg) -> bool:
-    """ONNX Runtime's CPU GroupQueryAttention needs a head size that is a multiple of 16."""
-    return cfg.head_dim % 16 == 0
+    """`RotaryEmbedding` rotates halves of a head: its size must be even."""
+    return cfg.head_dim % 2 == 0
 
 
 class Builder:
@@ -53,6 +58,12 @@ class Builder:
     def weight(self, name: str, t: torch.Tensor | np.ndarray) -> str:
         arr = t.detach().float().numpy() if isinstance(t, torch.Tensor) else t
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), f"w.{name}"))
+        return f"w.{name}"
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        """A small constant, added once however often it is asked for."""
+        if f"w.{name}" not in {t.name for t in self.inits}:
+            return self.weight(name, value)
         return f"w.{name}"
 
     def op(self, op_type: str, inputs: list[str], outputs: list[str] | str, domain: str = "", **attrs) -> str:
@@ -90,6 +101,76 @@ def _linear(g: Builder, x: str, name: str, model: TargetModel, params: list[str]
     return g.op("MatMul", [x, g.weight(name, w)], name)
 
 
+def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:
+    """The rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
+    [B, 1, rows·S, key_count] shared by every layer: row j of a request reads cache positions
+    0..starts + j (its own key included), never the rest of the buffer. `rows` = the query heads
+    per KV head (at least 2: see `_attention`)."""
+    zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
+    S = g.op("Gather", [g.op("Shape", [ids], "ids_shape"), one], "query_len")
+    offsets = g.op("Range", [zero, S, one], "query_offsets")  # [S]
+    positions = g.op("Add", [g.op("Unsqueeze", [starts, g.const("axis_1", np.array([1], np.int64))], "starts_col"),
+                             offsets], "positions")  # [B, S]
+    key_pos = g.op("Range", [zero, g.op("Squeeze", [keys], "key_count_scalar"), one], "key_positions")  # [T]
+    seen = g.op("LessOrEqual", [key_pos, g.op("Unsqueeze", [positions, g.const("axis_end", np.array([-1], np.int64))],
+                                              "positions_col")], "seen")  # [B, S, T]
+    mask = g.op("Where", [seen, g.const("zero_f", np.array(0.0, np.float32)),
+                          g.const("masked", np.array(MASKED, np.float32))], "mask_rows")  # [B, S, T]
+    mask = g.op("Unsqueeze", [mask, g.const("axis_1b", np.array([1], np.int64))], "mask_4d")  # [B, 1, S, T]
+    mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, max(group, 2), 1], np.int64))],
+                "mask")  # [B, 1, rows·S, T]
+    return positions, mask
+
+
+def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys: str, mask: str,
+               past: tuple[str, str], present: tuple[str, str]) -> str:
+    """Causal GQA attention of the rotated q [B, S, H·D] over the cache, after writing this
+    call's k, v [B, S, Hkv·D] into it at the rows' positions (in place: `present` is bound to
+    `past`'s memory). Returns [B, S, H·D].
+
+    Written so that a row's result does not depend on the call's other rows (MLAS, ONNX
+    Runtime's CPU GEMM, has a separate M = 1 kernel that rounds differently from M > 1):
+    - each KV head's G query heads × S rows are one GEMM of M = G·S rows, and never M = 1
+      (G = 1 repeats the rows), so decoding (S = 1) and verifying take the same kernel;
+    - the softmax is unnormalized exp(s − max) (max is exact in any order), summed by GEMMs:
+      e·V for the output and e·1 for the denominator (N = 16, not 1: N = 1 is another kernel),
+      so every sum runs over the keys in cache order and masked keys add exact zeros."""
+    H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+    G = H // Hkv
+    w = g.const
+    to_heads = w("shape_kv_heads", np.array([0, 0, Hkv, D], np.int64))
+    caches = []
+    for x, buf, out in ((k, past[0], present[0]), (v, past[1], present[1])):
+        x = g.op("Transpose", [g.op("Reshape", [x, to_heads], f"{x}_heads")], f"{x}_bhsd", perm=[0, 2, 1, 3])
+        g.op("TensorScatter", [buf, x, starts], out, axis=-2)  # [B, Hkv, S_max, D], rows starts..starts+S-1
+        caches.append(g.op("Slice", [out, w("i0_1", np.array([0], np.int64)), keys, w("axis_2", np.array([2], np.int64))],
+                           f"{out}_read"))  # [B, Hkv, T, D]
+    key_cache, value_cache = caches
+    q = g.op("Reshape", [q, w("shape_q_groups", np.array([0, 0, Hkv, G, D], np.int64))], f"q_groups_{i}")
+    q = g.op("Transpose", [q], f"q_bhgsd_{i}", perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, S, D]
+    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, 0, -1, D], np.int64))], f"q_rows_{i}")  # [B, Hkv, G·S, D]
+    if G == 1:
+        q = g.op("Concat", [q, q], f"q_rows2_{i}", axis=2)  # [B, Hkv, 2S, D]
+    scores = g.op("FusedMatMul", [q, key_cache], f"scores_{i}", domain=MS, transB=1,
+                  alpha=1.0 / float(np.sqrt(D)))  # [B, Hkv, rows·S, T]
+    scores = g.op("Add", [scores, mask], f"scores_masked_{i}")
+    top = g.op("ReduceMax", [scores, w("axis_end", np.array([-1], np.int64))], f"scores_max_{i}", keepdims=1)
+    e = g.op("Exp", [g.op("Sub", [scores, top], f"scores_shift_{i}")], f"probs_raw_{i}")  # [B, Hkv, rows·S, T]
+    num = g.op("MatMul", [e, value_cache], f"attn_num_{i}")  # [B, Hkv, rows·S, D]
+    ones = g.op("ConstantOfShape", [g.op("Concat", [keys, w("i16", np.array([16], np.int64))],
+                                         f"ones_shape_{i}", axis=0)], f"ones_{i}",
+                value=numpy_helper.from_array(np.ones(1, np.float32)))  # [T, 16]
+    den = g.op("Slice", [g.op("MatMul", [e, ones], f"attn_den16_{i}"), w("i0_1", np.array([0], np.int64)),
+                         w("i1_1", np.array([1], np.int64)), w("axis_end", np.array([-1], np.int64))],
+               f"attn_den_{i}")  # [B, Hkv, rows·S, 1]
+    o = g.op("Div", [num, den], f"attn_rows_{i}")
+    if G == 1:
+        o = g.op("Split", [o], [f"attn_rows1_{i}", f"attn_dup_{i}"], axis=2, num_outputs=2)
+    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, Hkv, G, -1, D], np.int64))], f"attn_groups_{i}")
+    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
+    return g.op("Reshape", [o, w("shape_attn_out", np.array([0, 0, H * D], np.int64))], f"attn_{i}")
+
+
 def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                      weights: dict[str, BlockWeight] | None = None) -> onnx.ModelProto:
     """weights: the quantized linear weights by parameter name (precision.py); the others, and
@@ -97,18 +178,18 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     weights = weights or {}
     c = model.cfg
     L, H, Hkv, D, eps = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-    ids_in, index_in, seqlens_in, total_in = TARGET_ORT_INPUTS
+    ids_in, index_in, starts_in, keys_in = TARGET_ORT_INPUTS
     past, (logits_out, features_out, *present) = kv_names(PAST, L), target_ort_outputs(L)
     g = Builder()
     embed = g.weight("embed_tokens", model.embed_tokens.weight)
     cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings)[None], D, c.rope_theta)  # [1, max_pos, 1, D]
     cos, sin = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
+    splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     if c.qk_norm:
         shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
         shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
         shape_flat = g.weight("shape_flat", np.array([0, 0, -1], np.int64))
-        splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
-
+    positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
     resid = g.op("Gather", [embed, ids_in], "resid_0")  # [B, S, d]
     feats = [resid] if -1 in feature_layer_ids else []
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
@@ -117,22 +198,19 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
         a = layer.self_attn
         qkv = _linear(g, h, f"qkv_{i}", model, [f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"],
                       weights)  # [B, S, (H+2Hkv)D]
+        g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
+        q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
-            q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
             q = g.op("Reshape", [q, shape_q], f"qh_{i}")
             k = g.op("Reshape", [k, shape_k], f"kh_{i}")
             q = g.op("SimplifiedLayerNormalization", [q, g.weight(f"q_norm_{i}", a.q_norm.weight)], f"qn_{i}",
                      axis=-1, epsilon=eps)
             k = g.op("SimplifiedLayerNormalization", [k, g.weight(f"k_norm_{i}", a.k_norm.weight)], f"kn_{i}",
                      axis=-1, epsilon=eps)
-            attn_in = [g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}"), v]
-        else:
-            attn_in = [qkv, "", ""]  # packed q/k/v
-        o = g.op("GroupQueryAttention",
-                 [*attn_in, past[i], past[L + i], seqlens_in, total_in, cos, sin],
-                 [f"attn_{i}", present[i], present[L + i]], domain=MS,
-                 num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
+            q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}")
+        q = g.op("RotaryEmbedding", [q, positions, cos, sin], f"qr_{i}", domain=MS, num_heads=H, interleaved=0)
+        k = g.op("RotaryEmbedding", [k, positions, cos, sin], f"kr_{i}", domain=MS, num_heads=Hkv, interleaved=0)
+        o = _attention(g, i, c, q, k, v, starts_in, keys_in, mask, (past[i], past[L + i]), (present[i], present[L + i]))
         o = _linear(g, o, f"o_{i}", model, [f"layers.{i}.self_attn.o_proj.weight"], weights)
         h = g.op("SkipSimplifiedLayerNormalization",
                  [o, resid, g.weight(f"norm_post_{i}", layer.post_attention_layernorm.weight)],
@@ -170,14 +248,14 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
 
     inputs = [helper.make_tensor_value_info(ids_in, TP.INT64, ["batch", "query"]),
               helper.make_tensor_value_info(index_in, TP.INT64, ["batch", "rows"]),
-              helper.make_tensor_value_info(seqlens_in, TP.INT32, ["batch"]),
-              helper.make_tensor_value_info(total_in, TP.INT32, []),
+              helper.make_tensor_value_info(starts_in, TP.INT64, ["batch"]),
+              helper.make_tensor_value_info(keys_in, TP.INT64, [1]),
               *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in past]]
     outputs = [helper.make_tensor_value_info(logits_out, TP.FLOAT, ["batch", "rows", c.vocab_size]),
                helper.make_tensor_value_info(features_out, TP.FLOAT, ["batch", "query", None]),
                *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in present]]
     graph = helper.make_graph(g.nodes, "dspark_target_ort", inputs, outputs, g.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(MS, 1)],
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid(MS, 1)],
                              producer_name="dspark-trt")
 
 

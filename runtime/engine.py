@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-import warnings
 from pathlib import Path
 
 from .backends import Backend, BackendOptions, open_backend
@@ -77,11 +76,6 @@ class Engine:
         model's limit, whichever is smaller; for tensorrt, what the engines were built for)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
-        if manifest.precision != "fp32":
-            warnings.warn(f"bundle {bundle} has an experimental {manifest.precision} target: speculative output may "
-                          f"differ from this target decoding alone (its int8 activations round differently when a call "
-                          f"scores several tokens; docs/quantization.md). For lossless output, export with "
-                          f"--precision fp32", stacklevel=2)
         sps, calibration = None, None
         if read_tables:  # `dspark profile` and `dspark calibrate` rewrite them, corrupt or not
             sps, calibration = SpsTable.load(bundle), Calibration.load(bundle, manifest.drafter.block_size)

@@ -8,8 +8,8 @@ Target graph (portable; TensorRT reads it too):
              logits are wanted), past_mask [B, P] f32, past_key_i / past_value_i [B, Hkv, S_max, D]
     outputs  logits [B, K, V], features [B, S, m·d], new_key_i / new_value_i [B, Hkv, S, D]
 Target graph for ONNX Runtime (writes its K/V rows in place; present_* bound to the past_* buffers):
-    inputs   input_ids, logit_index, seqlens_k [B] int32 (the last position written), total_len [] int32,
-             past_key_i / past_value_i
+    inputs   input_ids, logit_index, starts [B] int64 (each row's first position), key_count [1] int64
+             (cache positions attention reads, >= max(starts) + S), past_key_i / past_value_i
     outputs  logits, features, present_key_i / present_value_i
 Drafter graph:
     inputs   features [B, n, m·d], positions [B, n + γ] int64, anchor [B] int64, temperature [B] f32,
@@ -38,8 +38,8 @@ class TargetOrtInputs(NamedTuple):
 
     input_ids: Any  # [B, S] int64
     logit_index: Any  # [B, K] int64
-    seqlens_k: Any  # [B] int32
-    total_len: Any  # [] int32
+    starts: Any  # [B] int64
+    key_count: Any  # [1] int64
 
 
 class DrafterInputs(NamedTuple):

@@ -10,7 +10,8 @@ from typing import Any
 from .config import DrafterConfig, TargetConfig
 from .errors import BundleError, ConfigError
 
-BUNDLE_FORMAT = 2  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input)
+BUNDLE_FORMAT = 3  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input;
+# 3: the ONNX Runtime target's row-invariant attention, inputs starts and key_count)
 EXPORTER_VERSION = "0.2.0"
 
 

@@ -1,6 +1,7 @@
 """Tiny random models for fast tests."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark.export.drafter import Drafter
@@ -212,3 +213,26 @@ class Replay:
         import numpy as np
 
         return np.array([self.verified[self.cycle - 1]], np.int64)
+
+
+def assert_rows_invariant(engine, prompts: list[str], S: int = 8) -> None:
+    """The ONNX Runtime target scores a row with the same bits whatever the call holds: one call
+    of S rows against S calls of one row at the same positions, and a request in a 2-slot batch
+    (another request at another position beside it) against the same request alone. `engine`
+    must have 2 slots."""
+    be = engine.backend
+    ids = [np.asarray(engine.encode(p), np.int64) for p in prompts[:2]]
+    for slot in (0, 1):
+        be.prefill(slot, ids[slot], ingest=False)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, be.vocab_size, (2, S))  # [2, S]
+    starts = np.array([len(x) for x in ids], np.int64)  # [2]
+    batched, batched_feats = be.target(tokens, starts)  # [2, S, V], [2, S, F]
+    solo, solo_feats = be.target(tokens[:1], starts[:1])  # slot 0 alone
+    assert np.array_equal(batched[:1], solo) and np.array_equal(batched_feats[:1], solo_feats), \
+        "a row's logits depend on the other slot of the call"
+    for j in range(S):  # slot 0, one row per call (rewriting the cache rows the S-row call wrote)
+        row, row_feats = be.target(tokens[:1, j:j + 1], starts[:1] + j)
+        diff = np.abs(row[0, 0] - solo[0, j]).max()
+        assert np.array_equal(row[0, 0], solo[0, j]) and np.array_equal(row_feats[0, 0], solo_feats[0, j]), \
+            f"row {j}: logits of a 1-row call differ from the {S}-row call by {diff:.3g}"

@@ -101,8 +101,9 @@ BUNDLE_CASES = {
     "file_size_mismatch": (_append("drafter.onnx.data"), BundleError, "the manifest says"),
     "other_bundle_format": (_manifest(lambda m: m.update(bundle_format=99, exporter_version="9.9.9")), BundleError,
                             "bundle_format is 99"),
-    "format_1_bundle_before_ctx_mask": (_manifest(lambda m: m.update(bundle_format=1, exporter_version="0.1.0")),
-                                        BundleError, "bundle_format is 1 (exporter '0.1.0'), this runtime reads format 2"),
+    "format_2_bundle_before_row_invariant_attention": (
+        _manifest(lambda m: m.update(bundle_format=2, exporter_version="0.2.0")),
+        BundleError, "bundle_format is 2 (exporter '0.2.0'), this runtime reads format 3"),
     "target_disagrees_with_drafter": (_manifest(lambda m: m["target"].update(vocab_size=128)), BundleError,
                                       "vocab_size"),
     "graph_of_another_model": (_manifest(lambda m: m["target"].update(num_kv_heads=1)), BundleError,

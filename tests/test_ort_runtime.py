@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from factories import import_blocker, reference_logits, step_batch
+from factories import assert_rows_invariant, import_blocker, reference_logits, step_batch
 
 from dspark.export import TorchBackend
 from dspark.runtime import Engine, FixedLength, SamplingParams, StaticThreshold, generate
@@ -99,6 +99,50 @@ def test_steps_match_torch_reference(tiny_bundle, manifest, engine, temperature,
         assert (lo.argmax(-1) == lr.argmax(-1)).all()
         ctx_o, ctx_r, ctx_start = fo[0, :a + 1], fr[0, :a + 1], start
         start, anchor = start + a + 1, int(np.argmax(lr[0, a]))
+
+
+def test_target_rows_are_invariant_to_the_call(tiny_bundle):
+    """Verifying S tokens scores each exactly as decoding it would, and a batch of slots scores
+    each as alone: greedy speculation and batching are then token-identical to the target alone,
+    not only up to near-ties."""
+    assert_rows_invariant(Engine.load(tiny_bundle.path, max_seq=MAX_SEQ, slots=2), PROMPTS)
+
+
+@pytest.mark.parametrize("arch, kw", [("qwen3", dict(heads=4, kv_heads=2, head_dim=24)),  # q/k norm, odd /16
+                                      ("qwen3", dict(heads=2, kv_heads=2, head_dim=40, tie=True)),  # MHA: G = 1
+                                      ("llama", dict(heads=4, kv_heads=1))])  # one KV head
+def test_ort_graph_attention_on_other_shapes(arch, kw):
+    """The ONNX Runtime graph's attention for other head layouts than the tiny bundle's: against
+    the torch reference (a prompt, then 3 rows at once), and each of the 3 rows scored in a call
+    of 2 (a lone row may take other kernels on some CPUs: the backend pads it, see min_rows)."""
+    import onnxruntime as ort
+    import torch
+    from factories import tiny_target
+
+    from dspark.export.ort_graph import build_target_ort
+    from dspark.runtime.backends.onnxruntime import session_options
+
+    target = tiny_target(arch, seed=5, **kw)
+    c = target.cfg
+    with torch.no_grad():
+        sess = ort.InferenceSession(build_target_ort(target, (0,)).SerializeToString(), session_options(1))
+    cache = {f"past_{kv}_{i}": np.zeros((1, c.num_kv_heads, 64, c.head_dim), np.float32)
+             for kv in ("key", "value") for i in range(c.num_layers)}
+
+    def run(tokens: np.ndarray, start: int) -> np.ndarray:  # tokens [S] -> logits [S, V]; keeps the cache
+        out = sess.run(None, {"input_ids": tokens[None], "logit_index": np.arange(len(tokens))[None],
+                              "starts": np.array([start]), "key_count": np.array([start + len(tokens)]), **cache})
+        names = [o.name for o in sess.get_outputs()]
+        cache.update({n.replace("present", "past"): v for n, v in zip(names, out) if n.startswith("present")})
+        return out[0][0]
+
+    ids = np.random.default_rng(0).integers(0, c.vocab_size, 13)
+    ref, _ = TorchBackend(target, None, 64).target(ids[None, :12], np.zeros(1, np.int64))  # [1, 12, V]
+    run(ids[:9], 0)
+    three = run(ids[9:12], 9)
+    close(three, ref[0, 9:], f"{arch} {kw}")
+    for j in range(3):
+        assert np.array_equal(run(ids[9 + j:11 + j], 9 + j)[0], three[j]), f"row {j} in a call of 2"
 
 
 def test_int8_drafter_graph(tiny_bundle, manifest, engine):

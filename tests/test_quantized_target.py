@@ -1,11 +1,10 @@
-"""Quantized targets (`dspark export --precision`, experimental): the block layout, GGUF
-repacking, the ONNX Runtime lowering, and a quantized bundle served.
+"""Quantized targets (`dspark export --precision`): the block layout, GGUF repacking, the ONNX
+Runtime lowering, and a quantized bundle served.
 
 A quantized target runs with int8 activations, so it is its own target: greedy speculative
-output should equal the same graph decoding alone. It does not yet: a call scoring several rows
-rounds its activations differently from single-row calls (docs/quantization.md), which splits
-real models' output and, on AVX2 CPUs, the tiny model's too. Against the torch reference (fp32
-arithmetic on the same dequantized weights) it agrees within the activation rounding."""
+output equals the same graph decoding alone, token for token, because the graph scores every row
+with the bits it gets alone (docs/quantization.md). Against the torch reference (fp32 arithmetic
+on the same dequantized weights) it agrees within the activation rounding."""
 from __future__ import annotations
 
 import warnings
@@ -14,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from factories import TINY_CALIBRATION, TINY_SPS, tiny_target
+from factories import TINY_CALIBRATION, TINY_SPS, assert_rows_invariant, tiny_target
 from gguf import GGMLQuantizationType, quants
 
 from dspark.export import TorchBackend
@@ -170,8 +169,7 @@ def int4_bundle(tiny_bundle, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def int4_engine(int4_bundle):
-    with pytest.warns(UserWarning, match="experimental int4 target"):  # not yet lossless on real models
-        return Engine.load(int4_bundle, max_seq=256, threads=1)
+    return Engine.load(int4_bundle, max_seq=256, threads=1)
 
 
 def test_manifest_records_the_precision(int4_bundle):
@@ -191,13 +189,16 @@ def test_quantized_decoding_repeats_itself(int4_engine, scheduler):
         assert again.token_ids == first.token_ids, f"{prompt!r} ({scheduler})"
 
 
-@pytest.mark.xfail(reason="not yet lossless: int8 activation rounding depends on how many rows a call scores "
-                          "(docs/quantization.md); on AVX-512 the tiny model happens to agree, on AVX2 it splits",
-                   strict=False)
+def test_quantized_target_rows_are_invariant_to_the_call(int4_bundle):
+    """What makes a quantized target lossless: its int8 activation rounding sees the same bits
+    in a verification row as in the decode step it stands for (and in a batch as alone)."""
+    assert_rows_invariant(Engine.load(int4_bundle, max_seq=256, slots=2), PROMPTS)
+
+
 @pytest.mark.parametrize("scheduler", ["fixed", "threshold", "prefix", "async", "cost"])
 def test_greedy_output_equals_the_quantized_graph_alone(int4_engine, scheduler):
-    """Lossless on a quantized target: the same graph, with and without speculation (the goal of
-    the quantized-target issue; the runtime warns that it is not met)."""
+    """Lossless on a quantized target: the same graph, with and without speculation, token for
+    token (the graph scores a row with the same bits whatever the call: test_ort_runtime.py)."""
     for prompt in PROMPTS:
         alone = int4_engine.generate(prompt, max_new_tokens=40, scheduler="none")
         spec = int4_engine.generate(prompt, max_new_tokens=40, scheduler=scheduler)
@@ -219,8 +220,6 @@ def test_quantized_graph_is_near_its_torch_reference(tiny_bundle, int4_bundle, i
 
 
 def test_quantized_bundle_refuses_what_would_run_another_arithmetic(int4_bundle, tiny_bundle, tmp_path):
-    with pytest.raises(BackendError, match="int4 target"):
-        Engine.load(int4_bundle, max_seq=128, slots=2)
     with pytest.raises(BackendError, match="int4 target"):
         Engine.load(int4_bundle, max_seq=128, target_graph="portable")
     from dspark.export.bundle import export_bundle

@@ -24,6 +24,15 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 INT8_MAX_SLOTS = 2
 
 
+KEY_ALIGN = 16  # key_count is rounded up to this: no vector loop over the keys has a tail (AVX-512: 16 lanes)
+
+
+def key_count(needed: int, max_seq: int) -> int:
+    """Cache positions the ONNX Runtime target's attention reads for a call that ends at `needed`:
+    rounded up to KEY_ALIGN (masked keys add exact zeros; docs/quantization.md), at most max_seq."""
+    return min(-(-needed // KEY_ALIGN) * KEY_ALIGN, max_seq)
+
+
 def session_options(threads: int | None) -> ort.SessionOptions:
     """The target and drafter run one after the other, never at once. Two per-session pools
     would spin against each other on a small machine (docs/results.md), so every session of the
@@ -146,12 +155,11 @@ class OrtBackend:
         self.on_run: RunHook | None = None
         self.in_place = "target_ort" in manifest.graphs and (
             target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
-        if manifest.precision != "fp32" and (not self.in_place or slots > 1):
+        if manifest.precision != "fp32" and not self.in_place:
             # the portable graph holds the fp32 reference of the quantized weights, another arithmetic
             raise BackendError(f"bundle {bundle} has a {manifest.precision} target, which only its ONNX Runtime graph "
-                               f"runs (target_ort, one request at a time: concurrent requests verify through the "
-                               f"portable graph); use target graph auto or ort on the CPU provider with slots 1, or "
-                               f"export with --precision fp32")
+                               f"runs (target_ort); use target graph auto or ort on the CPU provider, or export with "
+                               f"--precision fp32")
         t, d = manifest.target, manifest.drafter
         L = t.num_layers
         self.block_size = d.block_size if speculative else 0
@@ -164,14 +172,12 @@ class OrtBackend:
                   "features": {2: d.feature_dim}}  # outputs of either target graph
         graph = manifest.graphs["target_ort" if self.in_place else "target"]
         self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names, expect)
-        # ONNX Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens per row
-        # after a past ("batch_size must be 1 when sequence_length > 1 and past context is given"),
-        # so batched verification runs the portable graph, over the same buffers: both store
-        # rotated keys in the same [R, Hkv, S_max, D] layout.
-        self._target_batch = self._target
-        if self.in_place and slots > 1:
-            self._target_batch = _Graph(bundle / manifest.graphs["target"], PROVIDERS[provider], threads,
-                                        self.target_kv, names, expect)
+        # A call of one row (B·S = 1, or one logits row) can take kernels of their own that round
+        # differently (MLAS's M = 1 GEMV; MatMulNBits' M = 1 int8 kernel on AVX2), which would
+        # make decoding alone differ from verifying. Where this machine's kernels do, a lone
+        # row is padded to two (docs/quantization.md); the other graphs' ops are row-invariant.
+        self.min_rows = 1  # the probe itself runs unpadded
+        self.min_rows = 1 if self._lone_row_exact() else 2
         self._drafter = self._drafter_greedy = None
         self.drafter_int8 = False
         if speculative:
@@ -214,18 +220,39 @@ class OrtBackend:
     def verify(self, batch: StepBatch, draft: Draft) -> Verdict:
         return verify_on_host(self, batch, draft)
 
+    def _lone_row_exact(self) -> bool:
+        """Whether one row scored alone gets the bits it gets beside a second row (a probe on
+        slot 0 at load: the kernels a shape takes are fixed per machine, not per input)."""
+        ids = np.random.default_rng(0).integers(0, self.vocab_size, (1, 6))  # [1, 6]
+        self._run_target(0, ids[:, :4], np.zeros(1, np.int64), np.array([[3, 3]]), "probe")
+        one = self._run_target(0, ids[:, 4:5], np.array([4]), np.array([[0]]), "probe")
+        two = self._run_target(0, ids[:, 4:6], np.array([4]), np.array([[0, 1]]), "probe")
+        return all(np.array_equal(a[0, 0], b[0, 0]) for a, b in zip(one, two))
+
     def _run_target(self, lo: int, tokens: np.ndarray, starts: np.ndarray, logit_index: np.ndarray,
                     kind: str) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [B, S] for slots lo..lo+B-1 -> logits [B, K, V] of the rows logit_index [B, K], features [B, S, F]."""
+        """tokens [B, S] for slots lo..lo+B-1 -> logits [B, K, V] of the rows logit_index [B, K], features [B, S, F].
+        Fewer than `min_rows` rows are padded (a copy of the last token, written one position past
+        the call: a row the loop overwrites before it is read)."""
         B, S = tokens.shape
-        if self.in_place and (B == 1 or S == 1):  # writes K/V rows start..start+S-1 of each slot in place
+        K = logit_index.shape[1]
+        if B * S < self.min_rows:
+            tokens = np.concatenate([tokens, tokens[:, -1:]], axis=1)  # [B, S + 1]
+        if B * K < self.min_rows:
+            logit_index = np.concatenate([logit_index, logit_index], axis=1)  # [B, 2K]
+        logits, features = self._call_target(lo, tokens, starts, logit_index, kind)
+        return logits[:, :K], features[:, :S]
+
+    def _call_target(self, lo: int, tokens: np.ndarray, starts: np.ndarray, logit_index: np.ndarray,
+                     kind: str) -> tuple[np.ndarray, np.ndarray]:
+        B, S = tokens.shape
+        if self.in_place:  # writes K/V rows start..start+S-1 of each slot in place
             out = self._target.run(lo, lo + B, kind, self.on_run, TargetOrtInputs(
-                input_ids=tokens, logit_index=logit_index,
-                seqlens_k=(starts + S - 1).astype(np.int32),  # [B] last position written
-                total_len=np.array(starts.max() + S, np.int32),
+                input_ids=tokens, logit_index=logit_index, starts=starts.astype(np.int64),
+                key_count=np.array([key_count(int(starts.max()) + S, self.max_seq)], np.int64),
             ))
             return out["logits"], out["features"]
-        out = self._target_batch.run(lo, lo + B, kind, self.on_run, TargetInputs(
+        out = self._target.run(lo, lo + B, kind, self.on_run, TargetInputs(
             input_ids=tokens, logit_index=logit_index,
             positions=starts[:, None] + np.arange(S, dtype=np.int64),  # [B, S]
             past_mask=row_mask(starts),  # [B, max(starts)]

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "in seconds")
     p.add_argument("--precision", default="fp32", help="the target's weights: fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
                    "repacked), int8 or int4 (block-wise round-to-nearest of a float source; the LM head 8-bit). "
-                   "Quantized targets run with int8 activations in the ONNX Runtime graph, one request at a time; "
-                   "experimental: not yet lossless on real models (docs/quantization.md)")
+                   "Quantized targets run with int8 activations in the ONNX Runtime graph, which is then the target: "
+                   "speculative output equals that graph decoding alone (docs/quantization.md)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="K", help="the drafter graphs propose only "
                    "K token ids: the K most frequent in the drafter's training responses (its token_counts.json; "
                    "else the K lowest ids, BPE merge order) plus the stop tokens. Cuts the drafter's LM head to "
