@@ -69,8 +69,9 @@ class SpsTable:
         return path
 
     @classmethod
-    def load(cls, bundle: Path) -> "SpsTable | None":
-        """The bundle's table, None when it has none; a corrupt one is a BundleError."""
+    def load(cls, bundle: Path, precision: str = "fp32") -> "SpsTable | None":
+        """The bundle's table, None when it has none; a corrupt one, or one measured on a target of
+        another precision than `precision` (the bundle's), is a BundleError."""
         path = Path(bundle) / SPS_FILE
         if not path.exists():
             return None
@@ -78,6 +79,10 @@ class SpsTable:
             d = json.loads(path.read_text())
             if d.get("format") != SPS_FORMAT:
                 raise ValueError(f"format is {d.get('format')!r}, expected {SPS_FORMAT}")
+            measured = d.get("meta", {}).get("precision", "fp32")
+            if measured != precision:
+                raise BundleError(f"{path} was measured on a {measured} target, this bundle's is {precision}; "
+                                  f"re-run `dspark profile --bundle {bundle}`")
             return cls(tuple(d["sps"]), tuple(d.get("draft_s", ())), tuple(tuple(r) for r in d.get("grid", ())),
                        {str(k): tuple(v) for k, v in d.get("draft_s_by_graph", {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import pytest
+from factories import TINY_SPS
 
 from dspark.runtime import BundleError, DSparkError, Engine, InputError
 from dspark.runtime.tools.cli import main
@@ -111,6 +112,8 @@ BUNDLE_CASES = {
     "manifest_not_json": (lambda d: (d / "manifest.json").write_text("{\"name\": "), BundleError, "not valid JSON"),
     "manifest_not_an_object": (lambda d: (d / "manifest.json").write_text("[1, 2]"), BundleError, "not a manifest"),
     "manifest_without_target": (_manifest(lambda m: m.pop("target")), BundleError, "malformed"),
+    "sps_table_of_another_precision": (
+        lambda d: TINY_SPS.save(d, {"precision": "gguf"}), BundleError, "measured on a gguf target"),
 }
 # Damaged contents of either target graph, each loaded through the --target-graph that reads it.
 GRAPH_OF = {"target.onnx": "portable", "target_ort.onnx": "ort"}

@@ -157,7 +157,8 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     breakdown = {R: phase_breakdown(be, R, cfg, rng) for R in sorted({1, cfg.max_slots})}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "context": cfg.context, "repeats": cfg.repeats, "rows_measured": rows, "tokens_per_row": s_max,
-            "graph": "target_ort" if be.in_place else "target", "engine": engine_kwargs,
+            "graph": "target_ort" if be.in_place else "target", "precision": manifest.precision,
+            "engine": engine_kwargs,
             "phase_breakdown_ms_per_cycle": breakdown}
     table.save(bundle, meta)
     path = plot(table, breakdown, s_max, Path(png or bundle / "sps.png"))
