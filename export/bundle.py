@@ -20,7 +20,7 @@ from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target
 from .ort_graph import ACCURACY_LEVEL, export_drafter_ort, export_target_ort, supports_ort_graph
-from .precision import dequantize_into, describe, target_weights
+from .precision import dequantize_into, describe, resolve, target_weights
 from .target_loader import LoadedTarget, default_target_path, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
@@ -87,17 +87,18 @@ def draft_vocab(size: int, target: LoadedTarget, drafter_source: Path | None) ->
 
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
                   name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None,
-                  draft_vocab_size: int | None = None, precision: str = "fp32") -> Manifest:
+                  draft_vocab_size: int | None = None, precision: str = "auto") -> Manifest:
     """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
     hard-linked (or copied) instead of exported again: a new drafter in seconds.
     `draft_vocab_size`: the drafter graphs propose only that many ids (draft_vocab.py).
-    `precision`: the target's weights (precision.py). The torch model then holds the numbers
+    `precision`: the target's weights (precision.py; auto: gguf for a GGUF, else fp32). The torch model then holds the numbers
     the quantized weights stand for, so the portable graph and the drafter's shared embeddings
     are exported from them; the ONNX Runtime graph reads the blocks themselves."""
     out = Path(out)
     steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
     target = load_target(target_path)
+    precision = resolve(precision, target.source)
     weights = target_weights(target.model, target.source, precision)
     if weights and not supports_ort_graph(target.model.cfg):
         raise CheckpointError(f"--precision {precision} runs only in the ONNX Runtime target graph, which this "

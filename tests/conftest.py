@@ -97,8 +97,10 @@ def profiled(tiny_bundle, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
-    """The default SmolLM2 bundle: `dspark export --out <tmp>/smollm2` once per session
-    (~2.5 min), or an existing bundle directory named by $DSPARK_BUNDLE."""
+    """The default SmolLM2 bundle at fp32: `dspark export --out <tmp>/smollm2 --precision fp32` once
+    per session (~2 min), or an existing bundle directory named by $DSPARK_BUNDLE. fp32, because
+    its tests compare it with transformers' fp32 model (the default precision, gguf, has its own
+    tests: test_gguf_bundle.py)."""
     from dspark.export import default_target_path
     from dspark.runtime.tools.cli import main
     from dspark.runtime.errors import CheckpointError
@@ -111,7 +113,7 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     except CheckpointError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("default") / "smollm2"
-    assert main(["export", "--out", str(out)]) == 0
+    assert main(["export", "--out", str(out), "--precision", "fp32"]) == 0
     return BundleInfo(out, None, None)
 
 

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="hard-link the target graphs of this "
                    "bundle (same target, same feature layers) instead of exporting them again: a new drafter "
                    "in seconds")
-    p.add_argument("--precision", default="fp32", help="the target's weights: fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
+    p.add_argument("--precision", default="auto", help="the target's weights: auto (default: gguf for a .gguf "
+                   "source, fp32 for a float one), fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
                    "repacked), int8 or int4 (block-wise round-to-nearest of a float source; the LM head 8-bit). "
                    "Quantized targets run with int8 activations in the ONNX Runtime graph, which is then the target: "
                    "speculative output equals that graph decoding alone (docs/quantization.md)")
