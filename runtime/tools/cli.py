@@ -31,9 +31,10 @@ EPILOG = """examples:
   dspark bench --bundle engines/smollm2 --bundle engines/smollm2-v16k --prompt-file ../shared/data/train/gsm8k-train.jsonl --skip 7373
   dspark profile --bundle engines/smollm2 --max-slots 32
   dspark calibrate --bundle engines/smollm2 --prompts 200
-  dspark build --bundle engines/smollm2 --backend tensorrt --precision fp32 --max-seq 2048
-  dspark generate --bundle engines/smollm2 --backend tensorrt --prompt "Hi"
-  dspark validate --bundle engines/smollm2 --backend tensorrt
+  dspark export --out engines/smollm2-fp32 --precision fp32   (TensorRT: fp32 graphs)
+  dspark build --bundle engines/smollm2-fp32 --backend tensorrt --precision fp32 --max-seq 2048
+  dspark generate --bundle engines/smollm2-fp32 --backend tensorrt --prompt "Hi"
+  dspark validate --bundle engines/smollm2-fp32 --backend tensorrt
 """
 
 
