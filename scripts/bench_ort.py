@@ -1,28 +1,41 @@
 #!/usr/bin/env python
-"""Benchmark, side by side on this CPU (batch 1, greedy):
+"""Single-request benchmark on this CPU (issue 21): batch 1, greedy, every contender on the same
+prompt token ids, `--threads` each, over the first N prompts of GSM8K and of MT-Bench (first turn),
+run interleaved per prompt (every contender on prompt 1, then prompt 2, ...) after one warm-up
+of each contender. Contenders:
 
-  (a) the target alone on the bundle's ONNX Runtime engine  (engine.generate(..., scheduler="none"))
-  (b) DSpark on the same engine                             (scheduler "fixed", "auto", or any of --schedulers)
-  (c) transformers `generate` on the same model             (the GGUF the bundle was exported from)
-  (d) llama.cpp on that GGUF, as it is (Q4_1 weights)        (llama-cpp-python, when it is installed)
+  <p> alone              the target of each bundle (--bundle, repeatable), decoding alone on its
+                         ONNX Runtime engine; <p> is the bundle's precision (fp32, gguf, ...)
+  <p> dspark-<s>         DSpark on that engine, for each scheduler of --schedulers (default auto)
+  llama.cpp              llama-cpp-python on the GGUF the bundles were exported from, as it is
+                         (its own quantized kernels; build it with GGML_NATIVE, see pyproject.toml)
+  llama.cpp lookup       the same with llama-cpp-python's prompt-lookup decoding (speculation
+                         without a drafter: drafts copied from earlier n-grams of the context)
+  genai int4             ONNX Runtime GenAI on an int4 model that its own model builder made from
+                         the same weights (`-p int4 -e cpu`, int4_accuracy_level=4), built once
+                         into --genai-dir
+  transformers           transformers `generate` on the GGUF, dequantized (only with --transformers)
 
-over the first N prompts of GSM8K and of MT-Bench (first turn), run interleaved per prompt
-(a, b, c for prompt 1, then prompt 2, ...) after one warm-up of each contender.
+Each contender's top-1 agreement with the fp32 model is printed beside its speed: the share of
+its generated tokens that equal the argmax of the fp32 bundle's target, scored teacher-forced
+over the contender's own prompt + output in one ONNX Runtime call after the timed runs.
 
-It also measures
-  * the time spent inside ONNX Runtime session runs (the backend's timing hook, `on_run`), so
-    host overhead = cycle wall time - time inside ORT is measured, not estimated;
-  * the sequential stage's share of the drafter's kernel time, from an ONNX Runtime profile of a
-    fresh drafter session fed the inputs captured from a real DSpark run (nodes attributed by the
-    'SequentialStage' entry of their 'pkg.torch.onnx.class_hierarchy' metadata, which the int8
-    graphs keep from the exported ones; a control-flow node counts whole, its own overhead
-    included, and the nodes of its branches are not counted again);
-  * a weight-read floor: the time to read the target's weight bytes once, as (1) an ORT graph of
-    [1,K]x[K,N] MatMul GEMVs over the same number of bytes and (2) a two-thread numpy sum;
-  * the target-alone decode step (ms per token after prefill) and its ratio to that floor.
+Per bundle it also reports the target-alone decode step (ms per token after prefill), the time
+spent inside ONNX Runtime session runs (the backend's `on_run` hook, so host overhead is
+measured, not estimated), DSpark's per-cycle breakdown, greedy identity of DSpark with the target
+alone, and a weight-read floor: the time to read once the weight bytes a decode step reads, as
+(1) an ORT graph of [1,K]x[K,N] MatMul GEMVs over as many bytes and (2) a numpy sum.
 
-    python scripts/bench_ort.py                                   # 5 + 5 prompts, 256 new tokens
-    python scripts/bench_ort.py --n-prompts 2 --max-new-tokens 64 --out /tmp/bench.json
+With --drafter-profile, the first bundle's drafter is profiled as well: the sequential stage's
+share of the drafter's kernel time, from an ONNX Runtime profile of a fresh drafter session fed
+the inputs captured from a real DSpark run (nodes attributed by the 'SequentialStage' entry of
+their 'pkg.torch.onnx.class_hierarchy' metadata, which the int8 graphs keep from the exported
+ones; a control-flow node counts whole, its own overhead included, and the nodes of its branches
+are not counted again).
+
+    python scripts/bench_ort.py --bundle engines/smollm2 --bundle engines/smollm2-gguf \\
+        --threads 2 --out out/bench_ort.json                     # issue 21: 10 + 10 prompts, 256 tokens
+    python scripts/bench_ort.py --n-prompts 1 --max-new-tokens 16  # a smoke run
 
 This is a benchmark, not a test: it prints figures, it asserts nothing.
 """
@@ -37,9 +50,11 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +62,7 @@ import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from dspark.runtime import Engine
 from dspark.runtime.backends import RunEvent
 from dspark.runtime.backends.onnxruntime import session_options  # the engine's own: side runs share its threads
 from dspark.runtime.graph_io import PAST, kv_names
@@ -57,24 +73,34 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gsm8k", "mt-bench")
 SEQ_MARK = "SequentialStage"
 HIERARCHY_KEY = "pkg.torch.onnx.class_hierarchy"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni")
+GENAI_BUILD = ["-p", "int4", "-e", "cpu", "--extra_options", "int4_accuracy_level=4"]
+GENAI, LLAMA, LOOKUP, TRANSFORMERS = "genai int4", "llama.cpp", "llama.cpp lookup", "transformers"
 
 
 # ---------------------------------------------------------------------------------------------
 # environment
 
-def cpu_model() -> str:
+def cpu_info() -> tuple[str, set[str]]:
+    """The CPU's model name and flags (/proc/cpuinfo)."""
+    model, flags = platform.processor() or "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return model, flags
 
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for name in ("onnxruntime", "numpy", "transformers", "torch", "onnx", "tokenizers", "llama_cpp"):
+    for name in ("onnxruntime", "onnxruntime_genai", "llama_cpp", "numpy", "transformers", "torch", "onnx",
+                 "tokenizers"):
         try:
             out[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
@@ -120,6 +146,14 @@ class CpuUse:
                 "loadavg_end": os.getloadavg()}
 
 
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------
 # ORT timing
 
@@ -139,88 +173,208 @@ class RunLog:
 
 
 # ---------------------------------------------------------------------------------------------
-# contenders
+# contenders: each maps (prompt, its token ids, new-token budget) to an Output
 
 @dataclass
-class Run:
-    contender: str
-    dataset: str
-    index: int
-    prompt_tokens: int
-    new_tokens: int
-    wall_s: float
-    finish_reason: str = ""
-    token_ids: list[int] = field(default_factory=list)
+class Output:
+    token_ids: list[int]  # the generated ids, a final stop token included
+    wall_s: float  # the whole request, prefill included
     stats: dict = field(default_factory=dict)  # the loop's Stats (engine contenders)
     ort: dict = field(default_factory=dict)  # seconds inside ORT runs: prefill, target_decode, drafter
-    other_cpu_share: float = 0.0  # share of the machine used by other processes during this run
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
-def run_engine(engine, log: RunLog, contender: str, scheduler: str, threshold: float, prompt: str,
-               max_new_tokens: int, dataset: str, index: int) -> Run:
-    log.runs.clear()
-    t0 = time.perf_counter()
-    res = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0, scheduler=scheduler,
-                          threshold=threshold)
-    wall = time.perf_counter() - t0
-    seconds = lambda kind: sum(d for k, _, d in log.runs if k == kind)  # noqa: E731
-    count = lambda kind: sum(1 for k, _, _ in log.runs if k == kind)  # noqa: E731
-    ort_times = {"prefill": seconds("prefill"), "target_decode": seconds("target"), "drafter": seconds("drafter"),
-                 "target_calls": count("target"), "drafter_calls": count("drafter")}
-    st = res.stats
-    stats = {"times_s": dict(st.times), "cycles": st.cycles, "emitted_sum": int(sum(st.emitted)),
-             "verified_sum": int(sum(st.verified)), "tau": st.tau,
-             "per_position_acceptance": st.per_position_acceptance}
-    return Run(contender, dataset, index, res.prompt_tokens, len(res.token_ids), wall, res.finish_reason,
-               list(res.token_ids), stats=stats, ort=ort_times)
+Generate = Callable[[str, list[int], int], Output]
 
 
-def run_transformers(model, torch, gen_config, ids: list[int], dataset: str, index: int) -> Run:
-    x = torch.tensor([ids], dtype=torch.long)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen_config)
-        wall = time.perf_counter() - t0
-    new = out[0, len(ids):].tolist()
-    stops = set(gen_config.eos_token_id)
-    reason = "stop" if new and new[-1] in stops else "length"
-    return Run("transformers", dataset, index, len(ids), len(new), wall, reason, new)
+@dataclass
+class Bundle:
+    """One bundle, loaded once, with its own engine and timing hook."""
+    label: str  # its precision, or its folder's name when two bundles share one
+    path: Path
+    engine: Engine
+    log: RunLog
+
+    @property
+    def precision(self) -> str:
+        return self.engine.manifest.precision
 
 
-def run_llama(llm, ids: list[int], n_new: int, stops: set[int], dataset: str, index: int) -> Run:
-    """Greedy llama.cpp (top-k 1, no repetition penalty) from the same prompt token ids."""
+@dataclass
+class Contender:
+    name: str
+    generate: Generate
+    bundle: Bundle | None = None  # engine contenders
+    scheduler: str = ""  # engine contenders: "none" (the target alone) or a DSpark scheduler
+
+    @property
+    def dspark(self) -> bool:
+        return self.bundle is not None and self.scheduler != "none"
+
+
+def greedy_until(tokens: Iterable[int], n_new: int, stops: set[int]) -> list[int]:
+    """Token ids from an iterator of generated tokens, up to a stop token or n_new of them."""
     new: list[int] = []
-    t0 = time.perf_counter()
-    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    for tok in tokens:
         new.append(int(tok))
-        if tok in stops or len(new) >= n_new:
+        if new[-1] in stops or len(new) >= n_new:
             break
-    wall = time.perf_counter() - t0
-    return Run("llama.cpp", dataset, index, len(ids), len(new), wall, "stop" if new[-1] in stops else "length", new)
+    return new
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def engine_contender(bundle: Bundle, scheduler: str, threshold: float) -> Generate:
+    def generate(prompt: str, ids: list[int], n_new: int) -> Output:
+        log = bundle.log
+        log.runs.clear()
+        t0 = time.perf_counter()
+        res = bundle.engine.generate(prompt, max_new_tokens=n_new, temperature=0.0, scheduler=scheduler,
+                                     threshold=threshold)
+        wall = time.perf_counter() - t0
+        seconds = lambda kind: sum(d for k, _, d in log.runs if k == kind)  # noqa: E731
+        count = lambda kind: sum(1 for k, _, _ in log.runs if k == kind)  # noqa: E731
+        st = res.stats
+        stats = {"times_s": dict(st.times), "cycles": st.cycles, "emitted_sum": int(sum(st.emitted)),
+                 "verified_sum": int(sum(st.verified)), "tau": st.tau,
+                 "per_position_acceptance": st.per_position_acceptance}
+        ort_times = {"prefill": seconds("prefill"), "target_decode": seconds("target"),
+                     "drafter": seconds("drafter"), "target_calls": count("target"),
+                     "drafter_calls": count("drafter")}
+        return Output(list(res.token_ids), wall, stats, ort_times)
+    return generate
 
 
-def check_lossless(engine, prompt: str, ref: list[int], cand: list[int]) -> dict:
+def llama_contender(gguf: Path, threads: int, n_ctx: int, stops: set[int], lookup_tokens: int = 0) -> Generate:
+    """llama-cpp-python, greedy (top-k 1, no repetition penalty); with lookup_tokens, its
+    prompt-lookup decoding drafting that many tokens a step."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                draft_model=draft, verbose=False)
+
+    def generate(prompt: str, ids: list[int], n_new: int) -> Output:
+        t0 = time.perf_counter()
+        llm.reset()  # every request from an empty cache, as the other contenders' (no shared-prefix reuse)
+        new = greedy_until(llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True),
+                           n_new, stops)
+        return Output(new, time.perf_counter() - t0)
+    return generate
+
+
+def genai_contender(model_dir: Path, threads: int, stops: set[int]) -> Generate:
+    """ONNX Runtime GenAI's Generator, greedy, from our prompt token ids; `threads` intra-op threads."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    model = og.Model(config)
+
+    def generate(prompt: str, ids: list[int], n_new: int) -> Output:
+        t0 = time.perf_counter()
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + n_new, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.asarray(ids, np.int32))
+
+        def tokens():
+            while not gen.is_done():
+                gen.generate_next_token()
+                yield gen.get_next_tokens()[0]
+        new = greedy_until(tokens(), n_new, stops)
+        return Output(new, time.perf_counter() - t0)
+    return generate
+
+
+def transformers_contender(gguf: Path, threads: int, stops: set[int]) -> Generate:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+    def generate(prompt: str, ids: list[int], n_new: int) -> Output:
+        config = GenerationConfig(max_new_tokens=n_new, do_sample=False, num_beams=1, eos_token_id=sorted(stops),
+                                  pad_token_id=min(stops))
+        x = torch.tensor([ids], dtype=torch.long)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+            wall = time.perf_counter() - t0
+        return Output(out[0, len(ids):].tolist(), wall)
+    return generate
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime GenAI's int4 model, built by its own model builder from the GGUF's weights
+
+def gguf_to_hf(gguf: Path, out: Path) -> None:
+    """The GGUF as a Hugging Face folder (config, fp32 safetensors, tokenizer): the weights
+    transformers dequantizes from it, which is what the model builder reads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config  # "gguf": transformers refuses to save such a model
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def ensure_genai_model(model_dir: Path, gguf: Path, digest: str) -> dict:
+    """Build the int4 model into model_dir unless it is there; refuse one built from another file."""
+    source_file = model_dir / "dspark_source.json"
+    if source_file.exists():
+        source = json.loads(source_file.read_text())
+        if source["gguf_sha256"] != digest:
+            raise SystemExit(f"{model_dir} was built from {source['gguf']} (sha256 {source['gguf_sha256'][:16]}…), "
+                             f"not from {gguf}: delete it or pass another --genai-dir")
+        return source
+    print(f"genai     building {model_dir} with the model builder of onnxruntime-genai (once) …", flush=True)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="genai_build_", dir=model_dir.parent) as tmp:
+        hf, out = Path(tmp) / "hf", Path(tmp) / "out"
+        gguf_to_hf(gguf, hf)
+        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+               "-c", str(Path(tmp) / "cache"), *GENAI_BUILD]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the GenAI model builder failed ({shlex.join(cmd)}):\n{done.stdout[-3000:]}"
+                             f"{done.stderr[-3000:]}")
+        source = {"gguf": str(gguf), "gguf_sha256": digest, "builder": shlex.join(cmd),
+                  "onnxruntime_genai": versions()["onnxruntime_genai"],
+                  "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        (out / "builder.log").write_text(done.stdout + done.stderr)
+        (out / "dspark_source.json").write_text(json.dumps(source, indent=1) + "\n")
+        out.rename(model_dir)
+    return source
+
+
+# ---------------------------------------------------------------------------------------------
+# scoring against the fp32 target
+
+def top1_agreement(engine: Engine, ids: list[int], new: list[int]) -> int:
+    """How many of `new` equal the argmax of `engine`'s target, teacher-forced over ids + new
+    (one call: row len(ids) - 1 + i scores new[i])."""
+    if not new:
+        return 0
+    seq = np.asarray(ids + new, np.int64)
+    (logits,), _ = engine.backend.target(seq[None], np.zeros(1, np.int64))
+    return int((logits[len(ids) - 1:len(seq) - 1].argmax(-1) == np.asarray(new)).sum())
+
+
+def check_lossless(engine: Engine, ids: list[int], ref: list[int], cand: list[int]) -> dict:
     """Greedy identity of `cand` against the target-alone `ref`; on a split, the reference's
     top-2 logit gap there (from one target pass over prompt + ref) says whether it is a near-tie."""
     if ref == cand:
         return {"identical": True, "diverged_at": None, "gap": None, "verdict": "identical"}
     from dspark.runtime.tools.parity import greedy_match
 
-    ids = engine.encode(prompt)
     seq = np.asarray(ids + ref, np.int64)
     (logits,), _ = engine.backend.target(seq[None], np.zeros(1, np.int64))
-    logits = logits[len(ids) - 1:len(seq) - 1]  # row n-1+i produced ref[i]
-    m = greedy_match(ref, cand, logits)
+    m = greedy_match(ref, cand, logits[len(ids) - 1:len(seq) - 1])  # row n-1+i produced ref[i]
     return {"identical": False, "diverged_at": m.diverged_at, "gap": m.gap, "verdict": str(m)}
 
 
@@ -328,20 +482,23 @@ def profile_drafter(bundle: Path, graph: str, threads: int, captured: list[dict]
 # weight-read floor
 
 def weight_bytes(bundle: Path, graph: str) -> dict:
+    """The target graph's initializer bytes, and those a decode step reads: all but the tensors
+    only gathered from (an untied embedding: one row a token)."""
     import onnx
 
     g = onnx.load(str(bundle / graph), load_external_data=False).graph
-    itemsize = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.TensorProto.BFLOAT16: 2,
-                onnx.TensorProto.INT64: 8, onnx.TensorProto.INT32: 4, onnx.TensorProto.INT8: 1,
-                onnx.TensorProto.UINT8: 1, onnx.TensorProto.DOUBLE: 8}
-    total, big = 0, 0
+    uses: dict[str, set[tuple[str, int]]] = {}
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, set()).add((node.op_type, i))
+    total = gathered = 0
     for t in g.initializer:
-        n = int(np.prod(t.dims)) if len(t.dims) else 1
-        b = n * itemsize.get(t.data_type, 4)
+        b = int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
         total += b
-        if len(t.dims) == 2:
-            big += b
-    return {"initializer_bytes": total, "matrix_bytes": big, "initializers": len(g.initializer)}
+        if uses.get(t.name) == {("Gather", 0)}:
+            gathered += b
+    return {"initializer_bytes": total, "gathered_bytes": gathered, "read_bytes": total - gathered,
+            "initializers": len(g.initializer)}
 
 
 def gemv_floor(total_bytes: int, k: int, n_matmuls: int, threads: int, reps: int) -> dict:
@@ -413,19 +570,64 @@ def merge_floors(ms: list[dict]) -> dict:
     return out
 
 
+@dataclass
+class Floors:
+    """A bundle's weight-read floors, measured before and after the timed runs (the fastest read
+    seen counts)."""
+    weights: dict
+    ort: list[dict] = field(default_factory=list)
+    numpy: list[dict] = field(default_factory=list)
+
+    def measure(self, hidden: int, matmuls: int, threads: int, reps: int) -> None:
+        self.ort.append(gemv_floor(self.weights["read_bytes"], hidden, matmuls, threads, reps))
+        self.numpy.append(numpy_floor(self.weights["read_bytes"], threads, reps))
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights, "ort": merge_floors(self.ort), "numpy": merge_floors(self.numpy)}
+
+
 # ---------------------------------------------------------------------------------------------
 # aggregation
+
+@dataclass
+class Run:
+    contender: str
+    dataset: str
+    index: int
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    finish_reason: str
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)
+    ort: dict = field(default_factory=dict)
+    other_cpu_share: float = 0.0  # share of the machine used by other processes during this run
+    top1: int | None = None  # generated tokens equal to the fp32 target's argmax (None: not scored)
+
+    @property
+    def rate(self) -> float:
+        return self.new_tokens / self.wall_s
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
 
 def agg_rate(runs: list[Run]) -> float:
     wall = sum(r.wall_s for r in runs)
     return sum(r.new_tokens for r in runs) / wall if wall else float("nan")
 
 
+def agg_top1(runs: list[Run]) -> float:
+    scored = [r for r in runs if r.top1 is not None]
+    n = sum(r.new_tokens for r in scored)
+    return sum(r.top1 for r in scored) / n if n else float("nan")
+
+
 def agg_target(runs: list[Run]) -> dict:
     decode = sum(r.stats["times_s"]["decode"] for r in runs)
     steps = sum(r.new_tokens - 1 for r in runs)
     ort_decode = sum(r.ort["target_decode"] for r in runs)
-    return {"tokens_per_s": agg_rate(runs), "decode_step_ms": 1e3 * decode / steps if steps else float("nan"),
+    return {"decode_step_ms": 1e3 * decode / steps if steps else float("nan"),
             "decode_host_share": (decode - ort_decode) / decode if decode else float("nan"),
             "ort_ms_per_step": 1e3 * ort_decode / steps if steps else float("nan"),
             "step_ms_per_prompt": [1e3 * r.stats["times_s"]["decode"] / max(1, r.new_tokens - 1) for r in runs]}
@@ -434,14 +636,14 @@ def agg_target(runs: list[Run]) -> dict:
 def agg_dspark(runs: list[Run], seq_share: float | None) -> dict:
     cycles = sum(r.stats["cycles"] for r in runs)
     if not cycles:
-        return {"tokens_per_s": agg_rate(runs), "cycles": 0}
+        return {"cycles": 0}
     t = lambda key: sum(r.stats["times_s"][key] for r in runs)  # noqa: E731
     loop = t("total") - t("prefill")  # every cycle, back to back
     draft, verify = t("draft"), t("verify") + t("decode")  # decode: steps the scheduler ran without drafting
     ort_d, ort_v = sum(r.ort["drafter"] for r in runs), sum(r.ort["target_decode"] for r in runs)
     per = lambda s: 1e3 * s / cycles  # noqa: E731
     out = {
-        "tokens_per_s": agg_rate(runs), "cycles": cycles,
+        "cycles": cycles,
         "tau": sum(r.stats["emitted_sum"] for r in runs) / cycles,
         "mean_verified": sum(r.stats["verified_sum"] for r in runs) / cycles,
         "cycle_ms": per(loop),
@@ -449,7 +651,6 @@ def agg_dspark(runs: list[Run], seq_share: float | None) -> dict:
         "ort_drafter_ms": per(ort_d), "ort_verify_ms": per(ort_v),
         "host_ms": per(loop - ort_d - ort_v),
         "host_share": (loop - ort_d - ort_v) / loop if loop else float("nan"),
-        "draft_host_ms": per(draft - ort_d), "verify_host_ms": per(verify - ort_v),
     }
     if seq_share is not None:
         out.update({"draft_backbone_ms": (1 - seq_share) * out["draft_ms"],
@@ -460,357 +661,399 @@ def agg_dspark(runs: list[Run], seq_share: float | None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# set-up
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bundle", type=Path, default=ROOT / "engines" / "smollm2", help="bundle (default engines/smollm2)")
+    p.add_argument("--bundle", type=Path, action="append", default=[],
+                   help="a bundle; repeat it for several (default engines/smollm2)")
+    p.add_argument("--bundles", default="", help="bundles, comma-separated (with --bundle: both)")
+    p.add_argument("--gguf", type=Path, default=None, help="the GGUF of llama.cpp, GenAI and transformers "
+                   "(default: the default target; its sha256 is checked against the bundles' source hash)")
     p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data",
                    help="data folder (default ../shared/data relative to the repo root)")
-    p.add_argument("--n-prompts", type=int, default=5, help="prompts per dataset (default 5)")
+    p.add_argument("--n-prompts", type=int, default=10, help="prompts per dataset (default 10)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request (default 256)")
-    p.add_argument("--schedulers", default="fixed,auto",
-                   help="DSpark schedulers to run, comma-separated (default fixed,auto: every γ drafts verified, "
-                        "and the runtime's default): fixed, threshold, prefix, async, cost, auto; prefix, async "
-                        "and cost need the bundle's sps.json and calibration.json (`dspark profile`, "
-                        "`dspark calibrate`), auto falls back to fixed without them")
+    p.add_argument("--schedulers", default="auto",
+                   help="DSpark schedulers to run on each bundle, comma-separated (default auto, the runtime's "
+                        "default): fixed, threshold, prefix, async, cost, auto; prefix, async and cost need the "
+                        "bundle's sps.json and calibration.json, auto falls back to fixed without them")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold of the threshold scheduler")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="ORT intra-op threads and torch threads (default: every core)")
-    p.add_argument("--max-seq", type=int, default=2048, help="engine KV positions (default 2048)")
-    p.add_argument("--no-transformers", action="store_true", help="skip contender (c)")
-    p.add_argument("--no-llama-cpp", action="store_true", help="skip contender (d), run when llama-cpp-python "
-                   "is installed (CMAKE_ARGS=-DGGML_NATIVE=ON pip install -e '.[llama]': it compiles from source, minutes)")
+    p.add_argument("--threads", type=int, default=2, help="threads of every contender (default 2): the ORT global "
+                   "intra-op pool, llama.cpp n_threads, GenAI intra-op threads, torch")
+    p.add_argument("--max-seq", type=int, default=2048, help="engine KV positions and llama.cpp n_ctx (default 2048)")
+    p.add_argument("--genai-dir", type=Path, default=ROOT / "engines" / "genai-int4",
+                   help="the GenAI int4 model, built there by its model builder when missing "
+                        "(default engines/genai-int4)")
+    p.add_argument("--lookup-tokens", type=int, default=10, help="tokens llama.cpp's prompt lookup drafts a step")
+    p.add_argument("--no-genai", action="store_true", help="skip ONNX Runtime GenAI int4")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp and its prompt lookup (run when "
+                   "llama-cpp-python is installed: CMAKE_ARGS=-DGGML_NATIVE=ON pip install -e '.[llama]')")
+    p.add_argument("--transformers", action="store_true", help="add transformers `generate` (slow)")
+    p.add_argument("--drafter-profile", action="store_true", help="profile the first bundle's drafter: the "
+                   "sequential stage's share of its kernel time")
     p.add_argument("--floor-matmuls", type=int, default=96, help="GEMVs in the ORT weight-read graph (default 96)")
     p.add_argument("--floor-reps", type=int, default=25, help="timed repetitions of each floor measurement")
     p.add_argument("--profile-passes", type=int, default=3, help="passes over the captured drafter calls "
                    "in the profile (all but the last are warm-up)")
     p.add_argument("--out", type=Path, default=None, help="write every figure and per-prompt run to this JSON file")
     args = p.parse_args(argv)
-    bundle = args.bundle if args.bundle.is_absolute() or args.bundle.exists() else ROOT / args.bundle
-    schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
-    for s in schedulers:
+    paths = [*args.bundle, *(Path(s.strip()) for s in args.bundles.split(",") if s.strip())]
+    paths = paths or [Path("engines/smollm2")]
+    args.bundle = [b if b.is_absolute() or b.exists() else ROOT / b for b in paths]
+    args.schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
+    for s in args.schedulers:
         if s not in SCHEDULERS or s == "none":
-            raise SystemExit(f"unknown DSpark scheduler {s!r}; choose from {', '.join(n for n in SCHEDULERS if n != 'none')}")
+            p.error(f"unknown DSpark scheduler {s!r}; choose from {', '.join(n for n in SCHEDULERS if n != 'none')}")
+    return args
 
+
+def environment(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The run's date, command, machine and versions, printed as the header."""
+    cpu, flags = cpu_info()
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "command": shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv),
-           "cwd": os.getcwd(), "cpu": cpu_model(), "cores": os.cpu_count(),
+           "cwd": os.getcwd(), "cpu": cpu, "cpu_flags": {f: f in flags for f in CPU_FLAGS}, "cores": os.cpu_count(),
            "affinity": len(os.sched_getaffinity(0)), "platform": platform.platform(),
            "loadavg_start": os.getloadavg(), "versions": versions(), "threads": args.threads}
     print(f"date      {env['date']}")
     print(f"command   {env['command']}   (cwd {env['cwd']})")
-    print(f"machine   {env['cpu']}, {env['cores']} cores ({env['affinity']} usable), {env['platform']}")
+    print(f"machine   {cpu}, {env['cores']} cores ({env['affinity']} usable), {env['platform']}")
+    print("cpu flags " + ", ".join(f"{f} {'yes' if v else 'NO'}" for f, v in env["cpu_flags"].items()))
     print("versions  " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     print(f"load avg  {env['loadavg_start'][0]:.2f} {env['loadavg_start'][1]:.2f} {env['loadavg_start'][2]:.2f} "
-          f"at start; threads: ORT {args.threads} (one global intra-op pool), torch {args.threads}", flush=True)
+          f"at start; {args.threads} threads for every contender", flush=True)
+    return env
 
-    from dspark.runtime import Engine
 
-    engine = Engine.load(bundle, max_seq=args.max_seq, threads=args.threads)
-    m = engine.manifest
-    log = engine.backend.on_run = RunLog()
-    prompts = {name: bench_prompts(name, args.n_prompts + 1, data_dir=args.data_dir / "bench") for name in DATASETS}
-    print(f"bundle    {bundle}: target {m.target.arch} {m.target.num_layers} layers d={m.target.hidden_size} "
-          f"V={m.target.vocab_size}, drafter γ={m.drafter.block_size} {m.drafter.num_layers} layer(s) "
-          f"[{m.drafter_label}]")
+def load_bundles(paths: list[Path], max_seq: int, threads: int) -> list[Bundle]:
+    bundles = []
+    for path in paths:
+        engine = Engine.load(path, max_seq=max_seq, threads=threads)
+        engine.backend.on_run = log = RunLog()
+        bundles.append(Bundle(engine.manifest.precision, path, engine, log))
+    labels = [b.label for b in bundles]
+    for b in bundles:
+        if labels.count(b.label) > 1:
+            b.label = b.path.name
+    for b in bundles:
+        m = b.engine.manifest
+        print(f"bundle    {b.label}: {b.path}, target {m.target.arch} {m.target.num_layers} layers "
+              f"d={m.target.hidden_size} V={m.target.vocab_size}, precision {m.precision}, drafter "
+              f"γ={m.drafter.block_size} {m.drafter.num_layers} layer(s) [{m.drafter_label}]")
+    return bundles
 
-    model = torch = gen_config = None
-    gguf = None
-    if not args.no_transformers:
-        import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
-        from transformers.utils import logging as hf_logging
 
-        from dspark.export import default_target_path
+def make_contenders(args: argparse.Namespace, bundles: list[Bundle], stops: set[int], env: dict) -> list[Contender]:
+    contenders = [Contender(f"{b.label} {'alone' if s == 'none' else 'dspark-' + s}",
+                            engine_contender(b, s, args.threshold), b, s)
+                  for b in bundles for s in ["none", *args.schedulers]]
+    if args.no_llama_cpp and args.no_genai and not args.transformers:
+        return contenders
+    from dspark.export import default_target_path
 
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(args.threads)
-        gguf = default_target_path()
-        digest = sha256(gguf)
-        same = digest == m.source_hashes.get("target")
-        print(f"GGUF      {gguf} sha256 {digest[:16]}… "
-              f"{'== bundle target source hash (same model)' if same else '!= bundle target source hash: NOT the same model'}")
-        env.update({"gguf": str(gguf), "gguf_sha256": digest, "gguf_matches_bundle": same})
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-        stops = list(m.stop_token_ids)
-        gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, num_beams=1,
-                                      eos_token_id=stops, pad_token_id=stops[0])
-
-    llm = None
+    gguf = args.gguf or default_target_path()
+    digest = sha256(gguf)
+    env.update({"gguf": str(gguf), "gguf_sha256": digest})
+    same = [b.label for b in bundles if b.engine.manifest.source_hashes.get("target") == digest]
+    print(f"GGUF      {gguf} sha256 {digest[:16]}…, the target source of "
+          + (", ".join(same) if same else "NO bundle: not the same model"))
     if not args.no_llama_cpp:
         try:
-            from llama_cpp import Llama
+            import llama_cpp
         except ImportError:
-            print("llama.cpp: llama-cpp-python is not installed, contender (d) skipped")
+            print("llama.cpp llama-cpp-python is not installed: llama.cpp skipped")
         else:
-            from dspark.export import default_target_path
+            env["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
+            print(f"llama.cpp built for: {env['llama_cpp_system_info']}")
+            contenders.append(Contender(LLAMA, llama_contender(gguf, args.threads, args.max_seq, stops)))
+            contenders.append(Contender(LOOKUP, llama_contender(gguf, args.threads, args.max_seq, stops,
+                                                                args.lookup_tokens)))
+    if not args.no_genai:
+        env["genai_model"] = {"dir": str(args.genai_dir), **ensure_genai_model(args.genai_dir, gguf, digest)}
+        print(f"genai     {args.genai_dir}: {env['genai_model']['builder']}")
+        contenders.append(Contender(GENAI, genai_contender(args.genai_dir, args.threads, stops)))
+    if args.transformers:
+        contenders.append(Contender(TRANSFORMERS, transformers_contender(gguf, args.threads, stops)))
+    return contenders
 
-            gguf = gguf or default_target_path()
-            llm = Llama(model_path=str(gguf), n_ctx=args.max_seq, n_threads=args.threads, n_batch=512, verbose=False)
-            print(f"llama.cpp {gguf.name} as it is (its own quantized kernels), {args.threads} threads")
 
-    contenders = (["target"] + [f"dspark-{s}" for s in schedulers] + ([] if args.no_transformers else ["transformers"])
-                  + ([] if llm is None else ["llama.cpp"]))
-    sched_of = {"target": "none", **{f"dspark-{s}": s for s in schedulers}}
+# ---------------------------------------------------------------------------------------------
+# measurement
 
-    def one(name: str, prompt: str, n_new: int, dataset: str, index: int) -> Run:
-        if name == "llama.cpp":
-            return run_llama(llm, engine.encode(prompt), n_new, set(m.stop_token_ids), dataset, index)
-        if name == "transformers":
-            gen_config.max_new_tokens = n_new
-            return run_transformers(model, torch, gen_config, engine.encode(prompt), dataset, index)
-        return run_engine(engine, log, name, sched_of[name], args.threshold, prompt, n_new, dataset, index)
-
-    # warm-up, one of each, on a prompt outside the measured set; capture the drafter's inputs
-    warm_prompt = prompts["gsm8k"][args.n_prompts] if len(prompts["gsm8k"]) > args.n_prompts else prompts["gsm8k"][0]
-    for name in tqdm(contenders, desc="warm-up", file=sys.stderr, leave=False):
-        log.capture = name.startswith("dspark") and not log.captured
-        one(name, warm_prompt, min(64, args.max_new_tokens), "warmup", -1)
-    log.capture = False
-    drafter_graph = log.captured[0][0] if log.captured else None  # the graph greedy rows run
-    captured = [inputs for graph, inputs in log.captured if graph == drafter_graph]
-    drafter_past = dict(zip(kv_names(PAST, len(engine.backend.draft_kv.keys)),
-                            (a.copy() for a in engine.backend.draft_kv.arrays)))
-
-    # weight-read floors, once before and once after the measured runs (the floor is the fastest read seen)
-    print("measuring: weight-read floors (before) …", file=sys.stderr, flush=True)
-    wb = weight_bytes(bundle, m.graphs["target"])
-    floors = {"ort": [gemv_floor(wb["initializer_bytes"], m.target.hidden_size, args.floor_matmuls, args.threads,
-                                 args.floor_reps)],
-              "numpy": [numpy_floor(wb["initializer_bytes"], args.threads, args.floor_reps)]}
-
-    # the measured, interleaved runs
+def measure(contenders: list[Contender], work: list[tuple[str, int, str]], ids: dict[tuple[str, int], list[int]],
+            n_new: int, stops: set[int]) -> list[Run]:
+    """The timed runs, interleaved per prompt: every contender on prompt 1, then on prompt 2, ..."""
     runs: list[Run] = []
-    lossless: list[dict] = []
-    cpu = CpuUse()
-    work = [(ds, i, prompts[ds][i]) for ds in DATASETS for i in range(args.n_prompts)]
     with tqdm(total=len(work) * len(contenders), desc="bench", file=sys.stderr, unit="run") as bar:
         for ds, i, prompt in work:
-            mine: dict[str, Run] = {}
-            for name in contenders:
-                bar.set_postfix_str(f"{ds}[{i}] {name}")
+            x = ids[(ds, i)]
+            for c in contenders:
+                bar.set_postfix_str(f"{ds}[{i}] {c.name}")
                 watch = CpuUse()
-                mine[name] = r = one(name, prompt, args.max_new_tokens, ds, i)
-                r.other_cpu_share = watch.other_share()
-                runs.append(r)
+                out = c.generate(prompt, x, n_new)
+                finish = "stop" if out.token_ids and out.token_ids[-1] in stops else "length"
+                runs.append(Run(c.name, ds, i, len(x), len(out.token_ids), out.wall_s, finish, out.token_ids,
+                                out.stats, out.ort, watch.other_share()))
                 bar.update()
-            ref = mine["target"].token_ids
-            for name in contenders[1:]:
-                if name.startswith("dspark"):
-                    lossless.append({"dataset": ds, "index": i, "contender": name,
-                                     **check_lossless(engine, prompt, ref, mine[name].token_ids)})
-                else:
-                    d = first_divergence(ref, mine[name].token_ids)
-                    lossless.append({"dataset": ds, "index": i, "contender": name, "identical": d is None,
-                                     "diverged_at": d, "gap": None,
-                                     "verdict": "identical" if d is None else f"diverged at generated token {d}"})
-    disturbance = cpu.report()
+    return runs
 
-    # the drafter's profile, then the weight-read floors
-    print("measuring: drafter profile, weight-read floors (after) …", file=sys.stderr, flush=True)
-    prof = None
-    if captured:
-        prof = profile_drafter(bundle, drafter_graph, args.threads, captured, drafter_past,
-                               args.profile_passes)
-    floors["ort"].append(gemv_floor(wb["initializer_bytes"], m.target.hidden_size, args.floor_matmuls,
-                                    args.threads, args.floor_reps))
-    floors["numpy"].append(numpy_floor(wb["initializer_bytes"], args.threads, args.floor_reps))
-    floor_ort, floor_np = merge_floors(floors["ort"]), merge_floors(floors["numpy"])
+
+def aggregate(contenders: list[Contender], runs: list[Run], seq_share: float | None) -> dict:
+    """Per dataset and overall, per contender: Σ tokens / Σ time, top-1 agreement, and the
+    target-alone or DSpark figures."""
+    groups = {**{ds: [r for r in runs if r.dataset == ds] for ds in DATASETS}, "overall": runs}
+    res: dict = {}
+    for col, rs in groups.items():
+        res[col] = {}
+        for c in contenders:
+            sel = [r for r in rs if r.contender == c.name]
+            res[col][c.name] = {"tokens_per_s": agg_rate(sel), "top1": agg_top1(sel),
+                                "new_tokens": sum(r.new_tokens for r in sel), "wall_s": sum(r.wall_s for r in sel),
+                                **(agg_target(sel) if c.scheduler == "none" else {}),
+                                **(agg_dspark(sel, seq_share) if c.dspark else {})}
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def fmt(v: float | None, spec: str, width: int) -> str:
+    return f"{v:{spec}}".rjust(width) if v is not None and v == v else "—".rjust(width)
+
+
+def print_summary(contenders: list[Contender], res: dict, ratio: Callable[[str, str, str], float],
+                  cols: list[str], head: str) -> None:
+    print()
+    print(head)
+    print("tok/s = generated tokens / wall time of the request (prefill included), Σ tokens / Σ time;\n"
+          "top-1 = share of the generated tokens that equal the fp32 target's argmax after the same tokens;\n"
+          "median/prompt = median over prompts (ratios: median of the per-prompt ratios)")
+    print(f"{'':<22}" + "".join(f"{c:>17}" for c in cols[:-1]) + f"{cols[-1]:>15}")
+    print(f"{'contender':<22}" + f"{'tok/s':>9}{'top-1':>8}" * (len(cols) - 1) + f"{'tok/s':>15}")
+    for c in contenders:
+        cells = [fmt(res[col][c.name][key], spec, w) for col in cols[:-1]
+                 for key, spec, w in (("tokens_per_s", ".2f", 9), ("top1", ".4f", 8))]
+        print(f"{c.name:<22}" + "".join(cells) + fmt(res[cols[-1]][c.name]["tokens_per_s"], ".2f", 15))
+    names = {c.name for c in contenders}
+    lines = []
+    for c in contenders:
+        if c.dspark:
+            others = [f"{c.bundle.label} alone", GENAI, LLAMA, LOOKUP]
+            lines += [(f"{c.name} / {o}", c.name, o) for o in others if o in names]
+    if lines:
+        print("ratios of tok/s" + " " * 27 + "".join(f"{col:>14}" for col in cols))
+        for label, x, y in lines:
+            print(f"  {label:<40}" + "".join(fmt(ratio(col, x, y), ".3f", 13) + "x" for col in cols))
+
+
+def print_bundle(b: Bundle, contenders: list[Contender], res: dict, floors: dict, lossless: list[dict],
+                 seq_share: float | None, threads: int) -> None:
+    alone = res["overall"][f"{b.label} alone"]
+    steps = alone["step_ms_per_prompt"]
+    step, med_step, best_step = alone["decode_step_ms"], statistics.median(steps), min(steps)
+    w, fo, fn = floors["weights"], floors["ort"], floors["numpy"]
+    print()
+    print(f"{b.label}: {b.path} ({b.engine.manifest.graphs['target_ort']})")
+    print(f"  target alone: decode step {step:.2f} ms/token (median over prompts {med_step:.2f}, "
+          f"best {best_step:.2f}); inside ORT {alone['ort_ms_per_step']:.2f} ms, "
+          f"host {100 * alone['decode_host_share']:.1f} %")
+    print(f"  weights: {w['initializer_bytes'] / 1e6:.1f} MB in {w['initializers']} initializers; a decode step reads "
+          f"{w['read_bytes'] / 1e6:.1f} MB of them (the rest, {w['gathered_bytes'] / 1e6:.1f} MB, only gathered from: "
+          f"one row a token)")
+    print(f"  read them once: (1) ORT, {fo['matmuls']} MatMul GEMVs {fo['shape'][0]}x{fo['shape'][1]} · "
+          f"{fo['shape'][1]}x{fo['shape'][2]}, {threads} threads: min {1e3 * fo['min_s']:.2f} ms "
+          f"({fo['gbps_best']:.1f} GB/s), medians before/after "
+          + " / ".join(f"{1e3 * x:.2f}" for x in fo["median_s_each"]) + " ms")
+    print(f"                  (2) numpy sum, {fn['threads']} threads: min {1e3 * fn['min_s']:.2f} ms "
+          f"({fn['gbps_best']:.1f} GB/s), medians before/after "
+          + " / ".join(f"{1e3 * x:.2f}" for x in fn["median_s_each"])
+          + f" ms; 1 thread median {1e3 * fn['single_thread_median_s']:.2f} ms")
+    over = lambda ms: f"{ms / (1e3 * fo['min_s']):.2f}x, {ms / (1e3 * fn['min_s']):.2f}x"  # noqa: E731
+    print(f"  decode step / floor (1), (2): mean {over(step)}; median {over(med_step)}; best {over(best_step)} "
+          f"(issue target: within 1.2x)")
+    for c in contenders:
+        if c.bundle is not b or not c.dspark:
+            continue
+        d = res["overall"][c.name]
+        es = [e for e in lossless if e["contender"] == c.name]
+        bad = [e for e in es if not e["identical"]]
+        print(f"  {c.name}: greedy output identical to the target alone on {len(es) - len(bad)}/{len(es)} prompts"
+              + "".join(f"\n    {e['dataset']}[{e['index']}]: {e['verdict']}" for e in bad))
+        if not d.get("cycles"):
+            continue
+        print(f"    τ {d['tau']:.3f} tokens per cycle, mean verified length ℓ {d['mean_verified']:.3f}; "
+              f"per cycle, mean over {d['cycles']} (ms; wall from the loop's Stats, 'in ORT' = inside session runs)")
+        print(f"    {'':<44}{'wall':>9}{'in ORT':>9}{'host':>9}")
+        row = lambda lbl, wall, o: print(f"    {lbl:<44}{wall:>9.3f}"  # noqa: E731
+                                         + (f"{o:>9.3f}{wall - o:>9.3f}" if o is not None else ""))
+        row("draft (drafter call)", d["draft_ms"], d["ort_drafter_ms"])
+        if seq_share is not None and "draft_backbone_ms" in d:
+            row("  backbone (1 - share)", d["draft_backbone_ms"], d["ort_backbone_ms"])
+            row(f"  sequential stage ({100 * seq_share:.1f} % share)", d["draft_sequential_ms"], d["ort_sequential_ms"])
+        row("target (verify, or a step without drafting)", d["verify_ms"], d["ort_verify_ms"])
+        row("rest of the loop (sched/accept/commit/detok)", d["rest_ms"], None)
+        row("cycle", d["cycle_ms"], d["ort_drafter_ms"] + d["ort_verify_ms"])
+        print(f"    host overhead = (cycle wall - time inside ORT runs) / cycle wall = {100 * d['host_share']:.1f} % "
+              f"(issue target < 10 %)")
+
+
+def print_profile(prof: dict, runs: list[Run]) -> None:
+    print()
+    print(f"drafter profile (ORT, fresh session, {prof['calls_profiled']} drafter calls captured from a real "
+          f"DSpark run, last of {prof['passes']} passes): kernel {prof['kernel_us_per_call'] / 1e3:.3f} ms/call "
+          f"of {prof['model_run_us_per_call'] / 1e3:.3f} ms/run")
+    print(f"  sequential stage ({prof['sequential_nodes_in_graph']}/{prof['nodes_in_graph']} nodes, by "
+          f"'{SEQ_MARK}' in {HIERARCHY_KEY}): {100 * prof['sequential_share']:.1f} % of the drafter's kernel time "
+          f"({prof['sequential_us_per_call'] / 1e3:.3f} ms/call); backbone "
+          f"{prof['backbone_us_per_call'] / 1e3:.3f} ms/call; unattributed {100 * prof['unattributed_share']:.2f} %")
+    calls = sum(r.ort.get("drafter_calls", 0) for r in runs)
+    ms = 1e3 * sum(r.ort.get("drafter", 0.0) for r in runs) / calls if calls else float("nan")
+    print(f"  (for scale: the engine's drafter calls in the measured runs of that bundle took {ms:.3f} ms/call "
+          f"inside ORT)")
+    print("  sequential stage's top ops (µs/call): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in prof["sequential_top_ops_us_per_call"].items()))
+
+
+def print_per_prompt(contenders: list[Contender], by: dict, work: list[tuple[str, int, str]]) -> None:
+    print()
+    print("per prompt: new tokens and tok/s per contender (DSpark: and τ)")
+    print(f"{'prompt':<12}{'ptok':>5}" + "".join(f"{c.name[:17]:>19}" for c in contenders) + f"{'other%':>8}")
+    for ds, i, _ in work:
+        cells = []
+        for c in contenders:
+            r = by[(ds, i, c.name)]
+            extra = f" τ{r.stats['tau']:.2f}" if c.dspark else ""
+            cells.append(f"{r.new_tokens:>4} {r.rate:6.1f}{extra}".rjust(19))
+        other = 100 * max(by[(ds, i, c.name)].other_cpu_share for c in contenders)
+        print(f"{ds + '[' + str(i) + ']':<12}{by[(ds, i, contenders[0].name)].prompt_tokens:>5}" + "".join(cells)
+              + f"{other:>8.0f}")
+    print("other% = the most CPU that other processes took during any of the prompt's runs (% of the machine)")
+
+
+def print_issue_targets(contenders: list[Contender], ratio: Callable[[str, str, str], float],
+                        median_ratio: Callable[[list[tuple[str, int]], str, str], float],
+                        keys: list[tuple[str, int]]) -> None:
+    names = {c.name for c in contenders}
+    checks = [(c.name, other, bound) for c in contenders if c.scheduler == "auto"
+              for other, bound in ((GENAI, 1.3), (LLAMA, 1.6)) if other in names]
+    if not checks:
+        return
+    print()
+    print("issue 21 on GSM8K: DSpark on the default engine ≥ 1.3x ONNX Runtime GenAI int4 and ≥ 1.6x llama.cpp "
+          "(Σ tokens / Σ time; median of per-prompt ratios in brackets)")
+    for x, y, bound in checks:
+        r, m = ratio("gsm8k", x, y), median_ratio([k for k in keys if k[0] == "gsm8k"], x, y)
+        print(f"  {x} / {y}: {r:.3f}x ({m:.3f}x), target {bound}x: {'met' if r >= bound else 'NOT met'}")
+
+
+# ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = environment(args, argv)
+    bundles = load_bundles(args.bundle, args.max_seq, args.threads)
+    reference = next((b for b in bundles if b.precision == "fp32"), None)  # scores top-1 agreement
+    first = bundles[0].engine
+    stops = set(first.manifest.stop_token_ids)
+    prompts = {ds: bench_prompts(ds, args.n_prompts + 1, data_dir=args.data_dir / "bench") for ds in DATASETS}
+    work = [(ds, i, prompts[ds][i]) for ds in DATASETS for i in range(args.n_prompts)]
+    ids = {(ds, i): first.encode(prompt) for ds, i, prompt in work}
+    for b in bundles[1:]:  # every contender gets the same token ids
+        if any(b.engine.encode(prompt) != ids[(ds, i)] for ds, i, prompt in work):
+            raise SystemExit(f"{b.path} tokenizes the prompts differently from {bundles[0].path}")
+    contenders = make_contenders(args, bundles, stops, env)
+
+    # warm-up, one of each, on a prompt outside the measured set; capture the drafter's inputs
+    warm = prompts["gsm8k"][args.n_prompts] if len(prompts["gsm8k"]) > args.n_prompts else prompts["gsm8k"][0]
+    log0 = bundles[0].log
+    for c in tqdm(contenders, desc="warm-up", file=sys.stderr, leave=False):
+        log0.capture = args.drafter_profile and c.dspark and c.bundle is bundles[0] and not log0.captured
+        c.generate(warm, first.encode(warm), min(64, args.max_new_tokens))
+    log0.capture = False
+    drafter_graph = log0.captured[0][0] if log0.captured else None  # the graph greedy rows run
+    captured = [inputs for graph, inputs in log0.captured if graph == drafter_graph]
+    drafter_past = dict(zip(kv_names(PAST, len(first.backend.draft_kv.keys)),
+                            (a.copy() for a in first.backend.draft_kv.arrays))) if captured else {}
+
+    print("measuring: weight-read floors (before) …", file=sys.stderr, flush=True)
+    floors = {b.label: Floors(weight_bytes(b.path, b.engine.manifest.graphs["target_ort"])) for b in bundles}
+
+    def measure_floors() -> None:
+        for b in bundles:
+            floors[b.label].measure(b.engine.manifest.target.hidden_size, args.floor_matmuls, args.threads,
+                                    args.floor_reps)
+    measure_floors()
+
+    cpu = CpuUse()
+    runs = measure(contenders, work, ids, args.max_new_tokens, stops)
+    disturbance = cpu.report()
+    by = {(r.dataset, r.index, r.contender): r for r in runs}
+
+    print("measuring: weight-read floors (after), drafter profile; scoring …", file=sys.stderr, flush=True)
+    measure_floors()
+    prof = profile_drafter(bundles[0].path, drafter_graph, args.threads, captured, drafter_past,
+                           args.profile_passes) if captured else None
+    lossless = [{"dataset": ds, "index": i, "contender": c.name,
+                 **check_lossless(c.bundle.engine, ids[(ds, i)], by[(ds, i, f"{c.bundle.label} alone")].token_ids,
+                                  by[(ds, i, c.name)].token_ids)}
+                for ds, i, _ in work for c in contenders if c.dspark]
+    if reference is not None:
+        for r in tqdm(runs, desc="top-1 vs fp32", file=sys.stderr, leave=False):
+            r.top1 = top1_agreement(reference.engine, ids[(r.dataset, r.index)], r.token_ids)
 
     # ---- aggregate and print ------------------------------------------------------------------
     seq_share = prof["sequential_share"] if prof else None
-    groups = {ds: [r for r in runs if r.dataset == ds] for ds in DATASETS}
-    groups["overall"] = runs
-    cols = [*DATASETS, "overall"]
-    res: dict = {c: {} for c in cols}
-    for col, rs in groups.items():
-        for name in contenders:
-            sel = [r for r in rs if r.contender == name]
-            if name == "target":
-                res[col][name] = agg_target(sel)
-            elif name.startswith("dspark"):
-                res[col][name] = agg_dspark(sel, seq_share)
-            else:
-                res[col][name] = {"tokens_per_s": agg_rate(sel)}
-            res[col][name]["new_tokens"] = sum(r.new_tokens for r in sel)
-            res[col][name]["wall_s"] = sum(r.wall_s for r in sel)
-
-    # a robust column: medians over prompts (ratios: median of the per-prompt ratios, whose
-    # contenders ran back to back), little moved by one prompt that another process disturbed
-    by = {(r.dataset, r.index, r.contender): r for r in runs}
     keys = [(ds, i) for ds, i, _ in work]
-    rate = lambda k, name: by[(*k, name)].new_tokens / by[(*k, name)].wall_s  # noqa: E731
-    med = {}
-    for name in contenders:
-        med[name] = {"tokens_per_s": statistics.median(rate(k, name) for k in keys)}
-        if name.startswith("dspark"):
-            rs = [by[(*k, name)] for k in keys if by[(*k, name)].stats["cycles"]]
-            med[name]["tau"] = statistics.median(r.stats["tau"] for r in rs) if rs else float("nan")
-            med[name]["mean_verified"] = (statistics.median(r.stats["verified_sum"] / r.stats["cycles"] for r in rs)
-                                          if rs else float("nan"))
-    med["target"]["decode_step_ms"] = statistics.median(res["overall"]["target"]["step_ms_per_prompt"])
-    med["target"]["new_tokens"] = float("nan")
-    res["median/prompt"] = med
-    cols.append("median/prompt")
+    cols = [*DATASETS, "overall", "median/prompt"]
+    res = aggregate(contenders, runs, seq_share)
+    res["median/prompt"] = {c.name: {"tokens_per_s": statistics.median(by[(*k, c.name)].rate for k in keys)}
+                            for c in contenders}
+
+    def median_ratio(ks: list[tuple[str, int]], x: str, y: str) -> float:
+        return statistics.median(by[(*k, x)].rate / by[(*k, y)].rate for k in ks)
 
     def ratio(col: str, x: str, y: str) -> float:
         if col == "median/prompt":
-            return statistics.median(rate(k, x) / rate(k, y) for k in keys)
+            return median_ratio(keys, x, y)
         return res[col][x]["tokens_per_s"] / res[col][y]["tokens_per_s"]
 
-    W = 14
-    line = lambda label, vals, fmt="{:>14.2f}": print(f"{label:<34}" + "".join(  # noqa: E731
-        (fmt.format(v) if isinstance(v, (int, float)) and v == v else f"{'—':>{W}}") for v in vals))
-    label_of = {"target": "(a) target alone, ORT", "transformers": "(c) transformers generate",
-                "llama.cpp": "(d) llama.cpp, Q4_1 GGUF",
-                **{f"dspark-{s}": f"(b) DSpark {s}, ORT" for s in schedulers}}
-    n_runs = len(work)
-    print()
-    print(f"== {args.n_prompts} prompts per dataset ({n_runs} requests per contender), batch 1, greedy, "
-          f"max {args.max_new_tokens} new tokens, run interleaved per prompt after one warm-up each ==")
-    print("tokens/s = generated tokens / wall time of the request (prefill included); per dataset and overall: "
-          "Σ tokens / Σ time;\nmedian/prompt: median over prompts (ratios: median of per-prompt ratios)")
-    print(f"{'':<34}" + "".join(f"{c:>{W}}" for c in cols))
-    for name in contenders:
-        line(label_of[name], [res[c][name]["tokens_per_s"] for c in cols])
-    line("  new tokens (a)", [res[c]["target"]["new_tokens"] for c in cols], "{:>14.0f}")
-    print("ratios")
-    for s in schedulers:
-        name = f"dspark-{s}"
-        line(f"  DSpark {s} / target alone", [ratio(c, name, "target") for c in cols], "{:>13.3f}x")
-        if not args.no_transformers:
-            line(f"  DSpark {s} / transformers", [ratio(c, name, "transformers") for c in cols], "{:>13.3f}x")
-    if not args.no_transformers:
-        line("  target alone / transformers", [ratio(c, "target", "transformers") for c in cols], "{:>13.3f}x")
-    if llm is not None:
-        for name in contenders[:-1]:
-            if name != "transformers":
-                line(f"  {label_of[name][4:].replace(', ORT', '')} / llama.cpp",
-                     [ratio(c, name, "llama.cpp") for c in cols], "{:>13.3f}x")
-    for s in schedulers:
-        name = f"dspark-{s}"
-        line(f"τ (tokens per cycle), {s}", [res[c][name].get("tau", float("nan")) for c in cols], "{:>14.3f}")
-        line(f"mean verified length ℓ, {s}", [res[c][name].get("mean_verified", float("nan")) for c in cols],
-             "{:>14.3f}")
-    line("target decode step, ms/token (a)", [res[c]["target"]["decode_step_ms"] for c in cols])
-
-    print()
-    print("per prompt: new tokens and tokens/s per contender; τ; greedy identity vs (a)")
-    hdr = (f"{'prompt':<12}{'ptok':>5}" + "".join(f"{n[:16]:>18}" for n in contenders)
-           + f"{'other%':>8}   identity vs (a)")
-    print(hdr)
-    for ds, i, _ in work:
-        cells = []
-        for name in contenders:
-            r = by[(ds, i, name)]
-            extra = f" τ{r.stats['tau']:.2f}" if name.startswith("dspark") else ""
-            cells.append(f"{r.new_tokens:>4} {r.new_tokens / r.wall_s:6.1f}{extra}".rjust(18))
-        ident = " ".join(f"{e['contender'].replace('dspark-', '')}:{'=' if e['identical'] else 'split@' + str(e['diverged_at'])}"
-                         for e in lossless if e["dataset"] == ds and e["index"] == i)
-        other = 100 * max(by[(ds, i, name)].other_cpu_share for name in contenders)
-        print(f"{ds + '[' + str(i) + ']':<12}{by[(ds, i, 'target')].prompt_tokens:>5}" + "".join(cells)
-              + f"{other:>8.0f}   " + ident)
-    print("other% = the most CPU that other processes took during any of the prompt's runs (% of the machine)")
-
-    print()
-    print("greedy losslessness, (b) vs (a): token ids identical per prompt")
-    for s in schedulers:
-        es = [e for e in lossless if e["contender"] == f"dspark-{s}"]
-        bad = [e for e in es if not e["identical"]]
-        print(f"  DSpark {s}: identical on {len(es) - len(bad)}/{len(es)} prompts"
-              + "".join(f"\n    {e['dataset']}[{e['index']}]: {e['verdict']}" for e in bad))
-    for name, tag in (("transformers", "(c) transformers"), ("llama.cpp", "(d) llama.cpp, Q4_1 arithmetic")):
-        es = [e for e in lossless if e["contender"] == name]
-        if es:
-            print(f"  {tag} vs (a) (informational, different kernels): identical on "
-                  f"{sum(e['identical'] for e in es)}/{len(es)} prompts"
-                  + "".join(f"; {e['dataset']}[{e['index']}] split@{e['diverged_at']}" for e in es
-                            if not e["identical"]))
-
-    print()
+    head = (f"== {args.n_prompts} prompts per dataset ({len(work)} requests per contender), batch 1, greedy, "
+            f"max {args.max_new_tokens} new tokens, {args.threads} threads each, interleaved per prompt after one "
+            f"warm-up each ==")
+    print_summary(contenders, res, ratio, cols, head)
+    if reference is None:
+        print("top-1: not scored, no fp32 bundle among --bundle")
+    for b in bundles:
+        print_bundle(b, contenders, res, floors[b.label].to_dict(), lossless, seq_share if b is bundles[0] else None,
+                     args.threads)
     if prof:
-        print(f"drafter profile (ORT, fresh session, {prof['calls_profiled']} drafter calls captured from a real "
-              f"DSpark run, last of {prof['passes']} passes): kernel {prof['kernel_us_per_call'] / 1e3:.3f} ms/call "
-              f"of {prof['model_run_us_per_call'] / 1e3:.3f} ms/run")
-        print(f"  sequential stage ({prof['sequential_nodes_in_graph']}/{prof['nodes_in_graph']} nodes, by "
-              f"'{SEQ_MARK}' in {HIERARCHY_KEY}): {100 * prof['sequential_share']:.1f} % of the drafter's kernel time "
-              f"({prof['sequential_us_per_call'] / 1e3:.3f} ms/call); backbone "
-              f"{prof['backbone_us_per_call'] / 1e3:.3f} ms/call; unattributed {100 * prof['unattributed_share']:.2f} %")
-        engine_calls = sum(r.ort.get("drafter_calls", 0) for r in runs)
-        engine_ms = 1e3 * sum(r.ort.get("drafter", 0.0) for r in runs) / engine_calls if engine_calls else float("nan")
-        print(f"  (for scale: the engine's drafter calls in the measured runs took {engine_ms:.3f} ms/call inside ORT)")
-        print("  sequential stage's top ops (µs/call): " + ", ".join(
-            f"{k} {v:.0f}" for k, v in prof["sequential_top_ops_us_per_call"].items()))
-    for s in schedulers:
-        d = res["overall"][f"dspark-{s}"]
-        if not d.get("cycles"):
-            continue
-        print(f"DSpark {s}: per-cycle breakdown, mean over {d['cycles']} cycles (ms/cycle; wall from the loop's "
-              f"Stats, 'in ORT' = inside session runs)")
-        print(f"  {'':<40}{'wall':>9}{'in ORT':>9}{'host':>9}")
-        row = lambda lbl, w, o: print(f"  {lbl:<40}{w:>9.3f}" + (f"{o:>9.3f}{w - o:>9.3f}" if o is not None else ""))  # noqa: E731
-        row("draft (drafter call)", d["draft_ms"], d["ort_drafter_ms"])
-        if seq_share is not None:
-            print(f"    {'backbone (1 - share)':<38}{d['draft_backbone_ms']:>9.3f}{d['ort_backbone_ms']:>9.3f}")
-            print(f"    {f'sequential stage ({100 * seq_share:.1f} % share)':<38}{d['draft_sequential_ms']:>9.3f}"
-                  f"{d['ort_sequential_ms']:>9.3f}")
-        row("target (verify, or a step without drafting)", d["verify_ms"], d["ort_verify_ms"])
-        row("rest of the loop (sched/accept/commit/detok)", d["rest_ms"], 0.0)
-        row("cycle", d["cycle_ms"], d["ort_drafter_ms"] + d["ort_verify_ms"])
-        print(f"  host overhead = (cycle wall - time inside ORT runs) / cycle wall = {100 * d['host_share']:.1f} % "
-              f"({d['host_ms']:.3f} ms/cycle; issue target < 10 %)")
-    t = res["overall"]["target"]
-    print(f"(a) target alone: host overhead per decode step = {100 * t['decode_host_share']:.1f} % "
-          f"(step {t['decode_step_ms']:.3f} ms, inside ORT {t['ort_ms_per_step']:.3f} ms)")
+        print_profile(prof, [r for r in runs if any(c.name == r.contender and c.bundle is bundles[0]
+                                                     for c in contenders)])
+    print_per_prompt(contenders, by, work)
+    print_issue_targets(contenders, ratio, median_ratio, keys)
 
+    cv = max(statistics.pstdev(s) / statistics.mean(s) if len(s) > 1 else 0.0
+             for s in (res["overall"][f"{b.label} alone"]["step_ms_per_prompt"] for b in bundles))
     print()
-    step = t["decode_step_ms"]
-    print(f"weight-read floor: target weights = {wb['initializer_bytes'] / 1e6:.1f} MB in {wb['initializers']} "
-          f"initializers ({wb['matrix_bytes'] / 1e6:.1f} MB in matrices), fp32")
-    best_step = min(t["step_ms_per_prompt"])
-    fo, fn = 1e3 * floor_ort["min_s"], 1e3 * floor_np["min_s"]
-    print(f"  (1) ORT, {floor_ort['matmuls']} MatMul GEMVs {floor_ort['shape'][0]}x{floor_ort['shape'][1]} · "
-          f"{floor_ort['shape'][1]}x{floor_ort['shape'][2]} ({floor_ort['bytes'] / 1e6:.1f} MB, {args.threads} threads, "
-          f"distinct random weights): min {fo:.2f} ms ({floor_ort['gbps_best']:.1f} GB/s); medians before/after "
-          + " / ".join(f"{1e3 * x:.2f}" for x in floor_ort["median_s_each"]) + " ms")
-    print(f"  (2) numpy sum, {floor_np['threads']} threads over {floor_np['threads']} halves: min {fn:.2f} ms "
-          f"({floor_np['gbps_best']:.1f} GB/s); medians before/after "
-          + " / ".join(f"{1e3 * x:.2f}" for x in floor_np["median_s_each"])
-          + f" ms; 1 thread median {1e3 * floor_np['single_thread_median_s']:.2f} ms")
-    print(f"  target decode step (mean over all tokens) {step:.2f} ms = {step / fo:.2f}x floor (1), "
-          f"{step / fn:.2f}x floor (2)   (issue target: within 1.2x)")
-    med_step = med["target"]["decode_step_ms"]
-    print(f"  target decode step (median over prompts)  {med_step:.2f} ms = {med_step / fo:.2f}x floor (1), "
-          f"{med_step / fn:.2f}x floor (2)")
-    print(f"  target decode step (best prompt)          {best_step:.2f} ms = {best_step / fo:.2f}x floor (1), "
-          f"{best_step / fn:.2f}x floor (2)")
-    print()
-    steps = res["overall"]["target"]["step_ms_per_prompt"]
-    cv = statistics.pstdev(steps) / statistics.mean(steps) if len(steps) > 1 else 0.0
     print(f"disturbance: other processes used {disturbance['other_cpu_s']:.1f} CPU-s during the "
           f"{disturbance['wall_s']:.0f} s measured loop ({100 * disturbance['other_share_of_capacity']:.1f} % of "
-          f"the machine); target decode step across prompts: CV {100 * cv:.1f} % "
-          f"(min {min(steps):.2f}, max {max(steps):.2f} ms); load avg at end {disturbance['loadavg_end'][0]:.2f}")
+          f"the machine); target decode step across prompts: CV {100 * cv:.1f} % (the most varied bundle); "
+          f"load avg at end {disturbance['loadavg_end'][0]:.2f}")
     if disturbance["other_share_of_capacity"] > 0.05 or cv > 0.10:
         print("  WARNING: the CPU was shared or timings varied a lot; figures may be disturbed")
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "env": env, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "bundle": str(bundle), "manifest": {"name": m.name, "drafter_label": m.drafter_label,
-                                                "source_hashes": m.source_hashes},
-            "results": res, "drafter_profile": prof, "weight_bytes": wb, "floor_ort": floor_ort,
-            "floor_numpy": floor_np, "disturbance": disturbance, "lossless": lossless,
+            "env": env, "args": {k: [str(x) for x in v] if k == "bundle" else str(v) if isinstance(v, Path) else v
+                                 for k, v in vars(args).items()},
+            "bundles": [{"label": b.label, "path": str(b.path), "name": b.engine.manifest.name,
+                         "precision": b.precision, "drafter_label": b.engine.manifest.drafter_label,
+                         "source_hashes": b.engine.manifest.source_hashes, **floors[b.label].to_dict()}
+                        for b in bundles],
+            "top1_reference": None if reference is None else str(reference.path),
+            "results": res, "drafter_profile": prof, "disturbance": disturbance, "lossless": lossless,
             "runs": [r.to_dict() for r in runs]}, indent=1, default=float) + "\n")
         print(f"wrote {args.out}")
     return 0
