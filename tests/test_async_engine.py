@@ -68,7 +68,8 @@ def test_token_ids_and_messages_are_prompts(engine, reference):
     by_ids = engine.generate_sync(ids, engine.params(0.0, 12))
     by_messages = engine.generate_sync([{"role": "user", "content": PROMPT}], engine.params(0.0, 12))
     raw = engine.generate_sync(PROMPT, engine.params(0.0, 12), chat=False)
-    assert by_ids.token_ids == by_messages.token_ids == reference.generate(PROMPT, max_new_tokens=12, scheduler="fixed").token_ids
+    expected = reference.generate(PROMPT, max_new_tokens=12, scheduler="fixed").token_ids
+    assert by_ids.token_ids == by_messages.token_ids == expected
     assert raw.token_ids == reference.generate(PROMPT, max_new_tokens=12, chat=False, scheduler="fixed").token_ids
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..request import Stats
 
@@ -23,6 +23,13 @@ class TextPart(_Body):
 class Message(_Body):
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: object) -> object:
+        if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+        return content
 
     def to_template(self) -> dict[str, str]:
         """What the chat template sees: a known role and text only."""
@@ -89,7 +96,8 @@ def dspark_stats(stats: Stats, prompt_tokens: int, completion_tokens: int) -> di
     d = stats.to_dict(completion_tokens)
     cached = getattr(stats, "cached_tokens", 0)
     return {"tau": d["tau"], "mean_verified": d["mean_verified"], "cycles": d["cycles"],
-            "drafted_cycles": d["drafted_cycles"], "per_position_acceptance": d["per_position_acceptance"],
+            "drafted_cycles": d["drafted_cycles"], "mean_batch": d["mean_batch"],
+            "per_position_acceptance": d["per_position_acceptance"],
             "prefill_s": stats.times.get("prefill", 0.0), "total_s": stats.times.get("total", 0.0),
             "cached_tokens": cached, "prefilled_tokens": prompt_tokens - cached}
 

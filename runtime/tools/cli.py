@@ -408,7 +408,8 @@ def cmd_validate(args) -> int:
 
 
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "bench": cmd_bench, "profile": cmd_profile, "calibrate": cmd_calibrate, "build": cmd_build, "validate": cmd_validate}
+            "bench": cmd_bench, "profile": cmd_profile, "calibrate": cmd_calibrate, "build": cmd_build,
+            "validate": cmd_validate}
 
 
 def main(argv: list[str] | None = None) -> int:
