@@ -22,7 +22,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,23 +54,37 @@ class StreamOutput:
 
 @dataclass
 class EngineState:
-    """Counters for metrics, as of the last step."""
+    """Counters for metrics (running and waiting as of the last step)."""
 
     slots: int
     max_waiting: int | None
-    running: int  # requests in a slot
-    waiting: int  # requests accepted and not yet in a slot
-    steps: int
-    rejected: int  # requests refused with EngineFullError
-    finished: dict[str, int]  # accepted requests that ended, by reason: stop, stop_string, length, abort, error
-    generated_tokens: int
+    running: int = 0  # requests in a slot
+    waiting: int = 0  # requests accepted and not yet in a slot
+    steps: int = 0
+    rejected: int = 0  # requests refused with EngineFullError
+    # accepted requests that ended, by reason: stop, stop_string, length, abort, error
+    finished: dict[str, int] = field(default_factory=dict)
+    generated_tokens: int = 0
     # the speculation of the requests that ended (their Stats, summed)
-    cycles: int
-    drafted_cycles: int  # cycles in which the drafter ran
-    verified: int  # Σ ℓ over cycles
-    emitted: int  # Σ τ over cycles
-    attempts: list[int]  # [γ] per draft position, as Stats.attempts
-    accepts: list[int]  # [γ]
+    cycles: int = 0
+    drafted_cycles: int = 0  # cycles in which the drafter ran
+    verified: int = 0  # Σ ℓ over cycles
+    emitted: int = 0  # Σ τ over cycles
+    attempts: list[int] = field(default_factory=list)  # [γ] per draft position, as Stats.attempts
+    accepts: list[int] = field(default_factory=list)  # [γ]
+
+    def end(self, reason: str, stats: Stats | None) -> None:
+        """Count a request that ended."""
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if stats is None:
+            return
+        self.cycles += stats.cycles
+        self.drafted_cycles += int(sum(stats.drafted))
+        self.verified += int(sum(stats.verified))
+        self.emitted += int(sum(stats.emitted))
+        if stats.attempts is not None:
+            self.attempts = [int(a + b) for a, b in zip(self.attempts, stats.attempts)]
+            self.accepts = [int(a + b) for a, b in zip(self.accepts, stats.accepts)]
 
 
 @dataclass(eq=False)
@@ -99,38 +113,6 @@ def _stop_prefix(text: str, stop: Sequence[str]) -> int:
     return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
-@dataclass
-class _Totals:
-    """Engine-thread counters behind EngineState."""
-
-    gamma: int
-    steps: int = 0
-    rejected: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    generated_tokens: int = 0
-    cycles: int = 0
-    drafted_cycles: int = 0
-    verified: int = 0
-    emitted: int = 0
-    attempts: np.ndarray = field(init=False)  # [γ] int64
-    accepts: np.ndarray = field(init=False)  # [γ] int64
-
-    def __post_init__(self) -> None:
-        self.attempts, self.accepts = np.zeros(self.gamma, np.int64), np.zeros(self.gamma, np.int64)
-
-    def end(self, reason: str, stats: Stats | None) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-        if stats is None:
-            return
-        self.cycles += stats.cycles
-        self.drafted_cycles += int(sum(stats.drafted))
-        self.verified += int(sum(stats.verified))
-        self.emitted += int(sum(stats.emitted))
-        if stats.attempts is not None:
-            self.attempts += stats.attempts
-            self.accepts += stats.accepts
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, scheduler: str = "auto", threshold: float = 0.5,
                  max_waiting: int | None = None):
@@ -146,8 +128,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # accepted and not ended
         self._commands: list[Callable[[], None]] = []  # for the engine thread, in order
         self._closed = False
-        self._running = 0
-        self._totals = _Totals(engine.backend.block_size)
+        gamma = engine.backend.block_size
+        self._state = EngineState(self.slots, max_waiting, attempts=[0] * gamma, accepts=[0] * gamma)
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
         self._thread.start()
 
@@ -209,10 +191,9 @@ class AsyncEngine:
 
     def state(self) -> EngineState:
         with self._cond:
-            t = self._totals
-            return EngineState(self.slots, self.max_waiting, self._running, max(0, len(self._streams) - self._running),
-                               t.steps, t.rejected, dict(t.finished), t.generated_tokens, t.cycles, t.drafted_cycles,
-                               t.verified, t.emitted, t.attempts.tolist(), t.accepts.tolist())
+            s = self._state
+            return replace(s, waiting=max(0, len(self._streams) - s.running), finished=dict(s.finished),
+                           attempts=list(s.attempts), accepts=list(s.accepts))
 
     @property
     def alive(self) -> bool:
@@ -246,7 +227,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InputError(f"request {request_id!r} is already waiting or running")
             if self.max_waiting is not None and len(self._streams) >= self.slots + self.max_waiting:
-                self._totals.rejected += 1
+                self._state.rejected += 1
                 raise EngineFullError(f"{self.slots} slots are busy and {self.max_waiting} requests wait "
                                       f"(max_waiting); retry later")
             self._streams[request_id] = stream
@@ -273,7 +254,7 @@ class AsyncEngine:
             if self._core.has_unfinished():
                 self._guarded(self._step)
             with self._cond:
-                self._running = self._core.running
+                self._state.running = self._core.running
         self._fail(EngineError("the engine shut down before the request finished"), lambda s: True)
 
     def _guarded(self, work: Callable[[], None]) -> None:
@@ -287,7 +268,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         with self._cond:
-            self._totals.steps += 1
+            self._state.steps += 1
         for out in self._core.step():
             self._deliver(out)
 
@@ -311,10 +292,10 @@ class AsyncEngine:
         result = StreamOutput(stream.request_id, text, list(out.new_token_ids), stream.prompt_tokens,
                               len(out.token_ids), reason, out.stats if reason else None)
         with self._cond:
-            self._totals.generated_tokens += len(out.new_token_ids)
+            self._state.generated_tokens += len(out.new_token_ids)
             if reason is not None:
                 del self._streams[stream.request_id]
-                self._totals.end(reason, out.stats)
+                self._state.end(reason, out.stats)
         self._send(stream, result)
 
     def _fail(self, error: EngineError, which: Callable[[_Stream], bool]) -> None:
@@ -323,7 +304,7 @@ class AsyncEngine:
             streams = [s for s in self._streams.values() if which(s)]
             for s in streams:
                 del self._streams[s.request_id]
-                self._totals.end("error", None)
+                self._state.end("error", None)
         for s in streams:
             self._send(s, error)
 
