@@ -15,14 +15,19 @@ __all__ = ["BackendError", "BundleError", "CheckpointError", "ConfigError", "DSp
            "EngineCore", "EngineFullError", "UnknownRequestError", "RequestOutput", "Generation", "Request",
            "SamplingParams", "Stats", "generate", "generate_batch", "FixedLength", "StaticThreshold",
            "PrefixScheduler", "AsyncPrefixScheduler", "make_scheduler", "Calibration", "CostModel", "SpsTable",
-           "Engine", "Result"]
+           "Engine", "Result", "AsyncEngine", "EngineError", "StreamOutput", "EngineState"]
 
 
 def __getattr__(name: str):
-    """`Engine` and `Result` (`from dspark.runtime import Engine`), imported on first use so that
-    `import dspark.runtime` stays light for the export side (no onnxruntime or tokenizers import)."""
+    """`Engine` and `Result` (`from dspark.runtime import Engine`), and the `AsyncEngine` a server
+    drives (async_engine.py), imported on first use so that `import dspark.runtime` stays light for
+    the export side (no onnxruntime or tokenizers import)."""
     if name in ("Engine", "Result"):
         from . import engine
 
         return getattr(engine, name)
+    if name in ("AsyncEngine", "EngineError", "StreamOutput", "EngineState"):
+        from . import async_engine
+
+        return getattr(async_engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,7 @@
     dspark generate --bundle engines/smollm2 --prompt "What is 17 * 23?"
     dspark generate --bundle engines/smollm2 --prompt "..." --compare   # vs the target alone
     dspark chat --bundle engines/smollm2
+    dspark serve --bundle engines/smollm2 --slots 4          # OpenAI-compatible HTTP server
     dspark bench --bundle engines/smollm2 --bundle engines/smollm2-dflash   # Table 1 + Figure 2
     dspark profile --bundle engines/smollm2                   # SPS table for the prefix scheduler
     dspark calibrate --bundle engines/smollm2                 # confidence calibration (STS)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -27,6 +29,7 @@ EPILOG = """examples:
   dspark generate --bundle engines/smollm2 --prompt "Hi" --temperature 0.7 --seed 1 --json
   dspark generate --bundle engines/smollm2 --prompt "Hi" --compare
   dspark chat --bundle engines/smollm2
+  dspark serve --bundle engines/smollm2 --port 8000 --slots 4 --max-queue 64
   dspark bench --bundle engines/smollm2 --label DSpark --bundle engines/smollm2-dflash --label DFlash
   dspark bench --bundle engines/smollm2 --bundle engines/smollm2-v16k --prompt-file ../shared/data/train/gsm8k-train.jsonl --skip 7373
   dspark profile --bundle engines/smollm2 --max-slots 32
@@ -102,6 +105,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive, streaming chat", description="Chat with a bundle; "
                        "the conversation is kept and re-encoded each turn. Ctrl-D or /exit to leave.")
     _add_engine_args(p)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [serve] extra)",
+                       description="Serve a bundle over HTTP: POST /v1/chat/completions and /v1/completions "
+                       "(streaming or not), GET /v1/models, /health and /metrics (Prometheus). Requests join free "
+                       "slots at the next step; a full queue answers 429.")
+    _add_device_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--slots", type=int, default=4, help="requests served at once (default 4)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a slot; more get 429 "
+                   "(default 64)")
+    p.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY"), help="require `Authorization: Bearer "
+                   "KEY` on /v1 routes (default: $DSPARK_API_KEY; none: no key)")
+    p.add_argument("--model-name", default=None, help="the model name clients send (default: the bundle's name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body; more get 413 "
+                   "(default 1 MiB)")
+    p.add_argument("--backend", default="onnxruntime", help=f"engine backend: {', '.join(BACKENDS)} (default "
+                   "onnxruntime)")
+    p.add_argument("--max-seq", type=int, default=None, help="positions per slot (default: 2048 or the model's limit)")
+    p.add_argument("--scheduler", default="auto", choices=list(NAMES), help="verification length (see `dspark "
+                   "generate --help`; default auto)")
+    p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
 
     from .bench import DATASETS
     p = sub.add_parser("bench", help="accepted length per benchmark dataset (the paper's Table 1 and Figure 2)",
@@ -293,6 +319,25 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": r.text})
 
 
+def cmd_serve(args) -> int:
+    try:
+        from ..serving.app import serve
+    except ImportError as e:
+        raise DSparkError(f"`dspark serve` needs the serve extra (pip install 'dspark-trt[serve]'): {e}") from e
+    from pathlib import Path
+
+    from ..async_engine import AsyncEngine
+
+    engine = AsyncEngine.load(args.bundle, slots=args.slots, max_waiting=args.max_queue, scheduler=args.scheduler,
+                              threshold=args.threshold, max_seq=args.max_seq, backend=args.backend,
+                              **_device_kwargs(args))
+    model = args.model_name or engine.engine.manifest.name or Path(args.bundle).resolve().name
+    print(f"serving {model} on http://{args.host}:{args.port}/v1 ({args.slots} slots, queue {args.max_queue})",
+          file=sys.stderr)
+    serve(engine, model, args.host, args.port, args.api_key, args.max_body_bytes, args.log_level)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from pathlib import Path
 
@@ -364,8 +409,9 @@ def cmd_validate(args) -> int:
     return 0 if report.ok else 1
 
 
-COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench,
-            "profile": cmd_profile, "calibrate": cmd_calibrate, "build": cmd_build, "validate": cmd_validate}
+COMMANDS = {"export": cmd_export, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+            "bench": cmd_bench, "profile": cmd_profile, "calibrate": cmd_calibrate, "build": cmd_build,
+            "validate": cmd_validate}
 
 
 def main(argv: list[str] | None = None) -> int:
