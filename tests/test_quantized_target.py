@@ -162,7 +162,7 @@ def int4_bundle(tiny_bundle, tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_bundle(out, tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False, precision="int4")
-    TINY_SPS.save(out, {"synthetic": True})
+    TINY_SPS.save(out, {"synthetic": True, "precision": "int4"})
     TINY_CALIBRATION.save(out, {"synthetic": True})
     return out
 
