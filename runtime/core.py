@@ -43,10 +43,12 @@ context the one a fresh prefill gives; otherwise only the proposals change. `Sta
 counts the prompt tokens reused.
 
 Both need a backend whose `prefill` starts at a position (`supports_prefix`); with any other, prompts
-are prefilled whole, from position 0."""
+are prefilled whole, from position 0. Kept prefixes belong to the core: one forgets them when another
+core has stepped over its backend since its own last step (cores over one backend take turns)."""
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +70,9 @@ PREFILL_CHUNK = 256
 # while the match can pull the request above the lowest free slot, where the slots below it ride
 # along as dummy rows in every batched step; a chat template's fixed header alone is about that long.
 MIN_PREFIX = 16
+# id(backend) -> the core that stepped over it last: a core whose kept prefixes another core may have
+# overwritten since its own last step forgets them (weak, so that finished cores and backends go)
+_LAST_CORE: dict[int, weakref.ref] = {}
 
 
 def check_prompt(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams) -> np.ndarray:
@@ -251,6 +256,10 @@ class EngineCore:
         request that committed tokens."""
         for r in self.requests.values():
             r.new = []
+        last = _LAST_CORE.get(id(self.backend))
+        if last is None or last() is not self:  # another core may have run over these slots since
+            self.kept = [None] * len(self.kept)
+            _LAST_CORE[id(self.backend)] = weakref.ref(self)
         speculative = self.scheduler is not None
         ingest = speculative and not self.history.undrafted  # while the drafter is skipped, prompts wait for it
         self._admit()

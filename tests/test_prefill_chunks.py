@@ -230,15 +230,15 @@ def test_aborted_requests_keep_what_they_committed(tiny_bundle, engine):
     assert core.slots[0].stats.cached_tokens == 32
     aborted = core.abort_request("b")
     assert len(core.kept[0].tokens) == len(ids) + len(aborted.token_ids) - 1
-    ref = alone(engine, ids, params(0.0, 40))
-    m = greedy_match(ref.token_ids[:len(aborted.token_ids)], aborted.token_ids,
-                     reference_logits(tiny_bundle.target, ids, ref.token_ids))
-    assert m.ok, m
     c = ids + aborted.token_ids + engine.encode("More.")
     core.add_request("c", c, params(0.0, 30))
     got = serve(core)["c"][-1]
     assert len(ids) < got.stats.cached_tokens <= len(ids) + len(aborted.token_ids) - 1
-    assert_same(tiny_bundle, c, alone(engine, c, params(0.0, 30)), got)
+    assert_same(tiny_bundle, c, alone(engine, c, params(0.0, 30)), got)  # other cores after this one's steps
+    ref = alone(engine, ids, params(0.0, 40))
+    m = greedy_match(ref.token_ids[:len(aborted.token_ids)], aborted.token_ids,
+                     reference_logits(tiny_bundle.target, ids, ref.token_ids))
+    assert m.ok, m
 
 
 def test_kept_prefix_survives_dummy_rows(tiny_bundle, engine):
@@ -313,6 +313,21 @@ def test_reuse_rules(engine):
     assert engine.core("fixed")._reuse(0, prompt) == (0, 0)  # nothing kept
     with pytest.raises(InputError, match="prefill_chunk is 0"):
         engine.core("fixed", prefill_chunk=0)
+
+
+def test_a_core_forgets_prefixes_another_core_overwrote(tiny_bundle, engine):
+    """Cores over one backend take turns: after another core's step (here Engine.generate's), a core's
+    kept prefixes may be overwritten, so it reuses none of them and its output stays right."""
+    core = engine.core("fixed")
+    ids = engine.encode(LONG)
+    core.add_request("a", ids, params(0.0, 10))
+    serve(core)
+    assert core.kept[0] is not None
+    engine.generate("Something else entirely, and long enough.", max_new_tokens=10)  # its own core, slot 0
+    core.add_request("b", ids, params(0.0, 20))
+    got = serve(core)["b"][-1]
+    assert got.stats.cached_tokens == 0
+    assert_same(tiny_bundle, ids, alone(engine, ids, params(0.0, 20)), got)
 
 
 class NoPrefix:
