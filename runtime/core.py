@@ -62,9 +62,10 @@ from .sampling import sample
 from .schedulers.base import History, Scheduler
 
 CATCH_UP = 32  # context rows per request that a drafting round after skipped steps feeds at most
-# Prompt tokens prefilled per step. A chunk costs the running requests one longer step (on this
-# project's 2-core CPU, SmolLM2 prefills 256 tokens in well under a second; on a GPU it is a few
-# milliseconds), and a prompt of up to P tokens still prefills in one call, as it did unchunked.
+# Prompt tokens prefilled per step. Each chunk lengthens the running requests' step by one call of
+# at most P rows, while a prompt of up to P tokens (most chat turns) still prefills in one call, as
+# unchunked: 256 bounds the stall by a long prompt to that of a typical one. Not tuned by a
+# measurement; a deployment weighs its streams' step time against a joining prompt's first token.
 PREFILL_CHUNK = 256
 # The shortest kept prefix a joining request reuses. Shorter ones save a few prompt rows of one call,
 # while the match can pull the request above the lowest free slot, where the slots below it ride
