@@ -45,10 +45,10 @@ def params(temperature: float, max_new_tokens: int, seed: int = 0) -> SamplingPa
     return SamplingParams(temperature, max_new_tokens, seed)
 
 
-def alone(engine: Engine, ids: list[int], params: SamplingParams, scheduler: str = "fixed"):
+def alone(engine: Engine, ids: list[int], q: SamplingParams, scheduler: str = "fixed"):
     """The request on a fresh core, its prompt prefilled in one call: the reference."""
     core = engine.core(scheduler, prefill_chunk=None, min_prefix=None)
-    core.add_request(0, ids, params)
+    core.add_request(0, ids, q)
     return serve(core)[0][-1]
 
 
@@ -62,7 +62,7 @@ def assert_same(tiny_bundle, ids: list[int], ref, got, sampled: bool = False) ->
 
 
 class PrefillLog:
-    """Records, per step, how many prompt tokens each slot's target prefill call ran at which start."""
+    """Records the backend's prefill calls as (slot, start, tokens)."""
 
     def __init__(self, backend):
         self.backend, self.calls = backend, []
@@ -123,8 +123,8 @@ def test_running_request_commits_every_step_while_a_long_prompt_prefills(tiny_bu
 
 
 def test_one_budget_of_prompt_tokens_per_step(engine):
-    """With P = 10, a 25-token prompt and a 3-token one that joins with it: the first is cut at 0, 10,
-    20 and goes first; the second waits until a step has room for it (the third), whatever the cut."""
+    """With P = 10, a 25-token prompt and a 3-token one that joins with it: the first, older, is cut at
+    0, 10 and 20; the second waits for a step with room left for it (the third); no step runs more."""
     core = engine.core("fixed", prefill_chunk=10)
     core.add_request("a", engine.encode(LONG)[:25], params(0.0, 4))
     core.add_request("c", [5, 6, 7], params(0.0, 4))
@@ -148,7 +148,7 @@ def test_prompt_rows_the_drafter_missed_wait_for_it(engine):
         core = engine.core("fixed", prefill_chunk=chunk)
         core.add_request(chunk, ids, q)
         core.history.undrafted = 1  # as after a skipped step: the first chunk is not fed
-        outs[chunk] = [o.token_ids for o in core.step()]
+        core.step()
         core.history.undrafted = 0  # the drafter runs again while the prompt prefills
         while core.slots[0].prefilling:
             core.step()
@@ -219,7 +219,8 @@ def test_aborted_requests_keep_what_they_committed(tiny_bundle, engine):
     core = engine.core("fixed", prefill_chunk=16)
     ids = engine.encode(LONG)
     core.add_request("a", ids, params(0.0, 40))
-    core.step(), core.step()
+    core.step()
+    core.step()
     assert core.slots[0].prefilling and core.slots[0].start == 32
     core.abort_request("a")
     assert len(core.kept[0].tokens) == 32 and core.kept[0].drafter == (0, 32)
@@ -378,9 +379,10 @@ def models(one_torch_thread):
 
 
 def test_gpu_layer_chunks_and_reuse(models):
-    """Four slots: four requests join (slot 3's finishes first, then slots 0..2 run as a batch padded to
-    the bucket of 4, so slot 3 is a padding row), prefilled 5 tokens a step; then e continues d's
-    conversation in slot 3. Greedy and sampled outputs are the PyTorch reference's solo runs."""
+    """Four slots: four requests join, prefilled 7 tokens a step (in the layer's own calls of at most 5
+    rows); slot 3's finishes first, then slots 0..2 run as a batch padded to the bucket of 4, so slot
+    3 is a padding row; then a fifth request continues slot 3's conversation there. Greedy and
+    sampled outputs are the PyTorch reference's solo runs."""
     from dspark.export import TorchBackend
     from dspark.export.cuda_graph_backend import cuda_graph_backend
 
