@@ -200,9 +200,7 @@ class OrtBackend:
                 last: bool = True) -> tuple[np.ndarray, np.ndarray]:
         m = len(tokens)
         begin = np.array([start], np.int64)  # [1]
-        # one row after a past: target_ort's GroupQueryAttention writes rows start..start+m-1 in place
-        # at seqlens_k (batch 1 may have several new tokens after a past), the portable graph reads
-        # past_mask [1, start]; both as a verification of one row
+        # a one-row call after a past of `start` rows, as a batch-1 verification: either target graph
         logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], begin,
                                             np.array([[m - 1]], np.int64), "prefill")  # [1, 1, V], [1, m, F]
         if not ingest:
