@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .backends import Backend, BackendOptions, open_backend
 from .calibration import Calibration
-from .core import EngineCore, check_prompt
+from .core import MIN_PREFIX, PREFILL_CHUNK, EngineCore, check_prompt
 from .errors import InputError
 from .manifest import Manifest
 from .request import SamplingParams, Stats
@@ -62,18 +62,24 @@ class TextStream:
 
 class Engine:
     def __init__(self, bundle: Path, manifest: Manifest, backend: Backend, tokenizer: ChatTokenizer,
-                 sps: SpsTable | None = None, calibration: Calibration | None = None):
+                 sps: SpsTable | None = None, calibration: Calibration | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK, min_prefix: int | None = MIN_PREFIX):
         self.bundle, self.manifest, self.backend, self.tokenizer = bundle, manifest, backend, tokenizer
         self.sps, self.calibration = sps, calibration
+        self.prefill_chunk, self.min_prefix = prefill_chunk, min_prefix  # what its cores get (core.py)
 
     @classmethod
     def load(cls, bundle: str | Path, max_seq: int | None = None, backend: str = "onnxruntime",
              provider: str = "cpu", threads: int | None = None, target_graph: str = "auto",
-             drafter_graph: str = "auto", slots: int = 1, read_tables: bool = True) -> "Engine":
+             drafter_graph: str = "auto", slots: int = 1, read_tables: bool = True,
+             prefill_chunk: int | None = PREFILL_CHUNK, min_prefix: int | None = MIN_PREFIX) -> "Engine":
         """Validate the bundle's manifest (and, with `read_tables`, its SPS table and calibration
         when present), open its graphs or engines through the backend registry (backends/) and
         preallocate KV for `slots` concurrent requests of `max_seq` positions (default: 2048 or the
-        model's limit, whichever is smaller; for tensorrt, what the engines were built for)."""
+        model's limit, whichever is smaller; for tensorrt, what the engines were built for).
+        prefill_chunk (prompt tokens prefilled per step; None: whole prompts) and min_prefix (the
+        shortest prefix a request reuses from a free slot's KV; None: no reuse) go to every core
+        (core.py's module doc)."""
         bundle = Path(bundle)
         manifest = Manifest.load(bundle)
         sps, calibration = None, None
@@ -87,14 +93,18 @@ class Engine:
         backend_ = open_backend(backend, bundle, manifest, options)
         if sps is not None:  # the drafter cost of the graph this engine runs
             sps = sps.for_drafter(backend_.drafter_graph)
-        return cls(bundle, manifest, backend_, tokenizer, sps, calibration)
+        return cls(bundle, manifest, backend_, tokenizer, sps, calibration, prefill_chunk, min_prefix)
 
     def scheduler(self, name: str = "auto", threshold: float = 0.5) -> Scheduler | None:
         return make_scheduler(name, threshold, self.sps, self.calibration, str(self.bundle))
 
-    def core(self, scheduler: str = "auto", threshold: float = 0.5, max_waiting: int | None = None) -> EngineCore:
-        """A step-wise core over this engine's backend (one at a time: they share its KV slots)."""
-        return EngineCore(self.backend, self.scheduler(scheduler, threshold), max_waiting=max_waiting)
+    def core(self, scheduler: str = "auto", threshold: float = 0.5, max_waiting: int | None = None,
+             **options: int | None) -> EngineCore:
+        """A step-wise core over this engine's backend (one at a time: they share its KV slots, and a
+        core reuses only the prefixes its own requests left). `options`: prefill_chunk, min_prefix
+        (default: the engine's)."""
+        options = {"prefill_chunk": self.prefill_chunk, "min_prefix": self.min_prefix, **options}
+        return EngineCore(self.backend, self.scheduler(scheduler, threshold), max_waiting=max_waiting, **options)
 
     def params(self, temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0,
                stop: Sequence[str] = ()) -> SamplingParams:

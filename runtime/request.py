@@ -51,7 +51,9 @@ class Stats:
     attempts: np.ndarray | None = None  # [γ] cycles in which slot k was verified with 1..k-1 accepted
     accepts: np.ndarray | None = None  # [γ] of those, cycles in which slot k was accepted
     confidences: list[np.ndarray] = field(default_factory=list)  # raw confidence logits [γ] per drafted cycle
-    # seconds in the engine calls (verify includes the acceptance rule), and from joining to finishing
+    cached_tokens: int = 0  # prompt tokens whose KV a slot kept from an earlier request (not prefilled)
+    # seconds in the engine calls (verify includes the acceptance rule; prefill sums a prompt's chunks),
+    # and from joining to finishing
     times: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                              "decode": 0.0, "total": 0.0})
 
@@ -77,6 +79,7 @@ class Stats:
             "drafted_cycles": int(sum(self.drafted)),
             "mean_verified": float(np.mean(self.verified)) if self.verified else 0.0,
             "mean_batch": float(np.mean(self.batch)) if self.batch else 0.0,
+            "cached_tokens": self.cached_tokens,
             "per_position_acceptance": self.per_position_acceptance,
             "tokens_per_s": new_tokens / self.times["total"] if self.times["total"] > 0 else 0.0,
             "decode_tokens_per_s": (new_tokens - 1) / decode_time if decode_time > 0 else 0.0,

@@ -2,11 +2,13 @@
 R request slots, each with its own preallocated KV rows; the loop (runtime/core.py) owns
 everything else: which request sits in which slot, scheduling, stopping.
 
-A batched call covers slots 0..B-1 (B = 1 + the highest busy slot; a free slot below it rides
-along as a dummy row: no context rows, no drafts verified, temperature 0). Lengths are implied
-by positions: rows written at or above a position that the loop later passes as a start are
-simply overwritten, so rolling back rejected tokens, and the right-padding of rows shorter than
-the batch, cost nothing. Padding exists because the engines run static shapes (ONNX Runtime,
+A batched call covers slots 0..B-1 (B = 1 + the highest busy slot; a slot below it that is not
+in the step rides along as a dummy row: no context rows, no drafts verified, temperature 0). Lengths
+are implied by positions: rows written at or above a position that the loop later passes as a start
+are simply overwritten, so rolling back rejected tokens, and the right-padding of rows shorter than
+the batch, cost nothing. A dummy row's start is where the rows its slot keeps end (a prompt being
+prefilled in chunks, or a free slot's prefix kept for reuse), so it writes only above them; a
+backend that pads a batch with rows of its own must not write below those either. Padding exists because the engines run static shapes (ONNX Runtime,
 TensorRT): a verification batch of R rows with ℓ_r drafts each costs R·(1 + max ℓ) tokens."""
 from __future__ import annotations
 
@@ -92,12 +94,20 @@ class Backend(Protocol):
     drafter_graph: str  # the drafter the SPS table's drafter cost is keyed by ("int8-greedy", "int8", "fp32")
     on_run: RunHook | None  # called after every engine run (timing, profiling); None: nothing is timed
 
-    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
-        """A new request's prompt tokens [n] at positions 0..n-1 of `slot`. With `ingest`, also
-        feeds the drafter's context cache with positions 0..n-2, so that the first drafting round
-        has one context row like every later one. Returns the last row's logits [V] (fp32) and the
-        features of the rows the drafter has not been fed: the last one [1, F] with `ingest`,
-        every row [n, F] without."""
+    # prefill() takes start > 0 and last=False, and padding rows of its own (if any) never write
+    # below a dummy row's start: the loop may then prefill in chunks and reuse a free slot's kept
+    # prefix. A backend without this attribute (or False) gets whole prompts from position 0.
+    supports_prefix: bool
+
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool, start: int = 0,
+                last: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Prompt tokens [m] at positions start..start+m-1 of `slot`, given committed KV for
+        [0, start) (a chunk of a longer prompt, or the rest of one whose prefix the slot kept).
+        With `ingest`, also feeds the drafter's context cache these positions, except the prompt's
+        last one when `last` (the prompt ends here): that row comes with the first drafting round,
+        which so has one context row like every later one. Returns the last row's logits [V]
+        (fp32) and the features of the rows the drafter has not been fed: the last one [1, F]
+        with `ingest` and `last`, none [0, F] with `ingest` only, every row [m, F] without."""
         ...
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

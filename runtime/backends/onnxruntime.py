@@ -121,6 +121,7 @@ class OrtBackend:
     """A `Backend` (backends/base.py) over a bundle's ONNX graphs, `slots` requests at once."""
 
     accepts_on_device = False  # the acceptance rule runs on the host (sampling.accept over numpy)
+    supports_prefix = True  # prefill() from any start: chunked prefill and prefix reuse (backends/base.py)
 
     def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
                  threads: int | None = None, speculative: bool = True, target_graph: str = "auto",
@@ -201,17 +202,21 @@ class OrtBackend:
     def _greedy_call(self, temperatures: np.ndarray) -> bool:
         return self._drafter_greedy is not None and not np.any(temperatures)
 
-    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
-        n = len(tokens)
-        logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], np.zeros(1, np.int64),
-                                            np.array([[n - 1]], np.int64), "prefill")
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool, start: int = 0,
+                last: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        m = len(tokens)
+        begin = np.array([start], np.int64)  # [1]
+        # a one-row call after a past of `start` rows, as a batch-1 verification: either target graph
+        logits, features = self._run_target(slot, np.asarray(tokens, np.int64)[None], begin,
+                                            np.array([[m - 1]], np.int64), "prefill")  # [1, 1, V], [1, m, F]
         if not ingest:
             return logits[0, 0], features[0]
-        if n > 1:  # context rows 0..n-2; the block drafted here is discarded
-            zero = np.zeros(1, np.int64)
-            self._run_draft(slot, features[:, :n - 1], np.array([n - 1]), zero, zero, zero,
+        fed = m - 1 if last else m  # the prompt's last row comes with the first drafting round
+        if fed:  # context rows start..start+fed-1 (a row's K/V depend only on its features and position);
+            zero = np.zeros(1, np.int64)  # the block drafted here is discarded
+            self._run_draft(slot, features[:, :fed], np.array([fed]), begin, zero, zero,
                             np.zeros(1, np.float32), np.zeros((1, self.block_size)), kind="prefill")
-        return logits[0, 0], features[0, n - 1:]
+        return logits[0, 0], features[0, fed:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         B, S = tokens.shape

@@ -6,8 +6,9 @@ shapes or host scalars, so one graph serves every call of its bucket.
 
 Concurrent requests: every KV cache holds R slots [R, Hkv, S_max, D]. A step's drafting round
 and verification each run once over slots 0..B-1 (backends/base.py), padded to a batch bucket
-with dummy rows (free slots: what they write there is overwritten when a request joins), and
-the acceptance rule runs over every row. A prompt runs over its own slot alone (a view of the
+with dummy rows of the slots above (which write only at position max_seq - 1, so a prompt being
+prefilled there in chunks, or a prefix kept for reuse, survives), and the acceptance rule runs
+over every row. A prompt runs over its own slot alone (a view of the
 caches at that slot), eagerly unless it lands in slot 0 and is at most γ+1 rows long. Graphs are
 captured per (batch bucket, query length, context bucket)."""
 from __future__ import annotations
@@ -33,6 +34,10 @@ class GraphBackend:
     `buckets.max_batch` request slots."""
 
     drafter_graph = "fp32"  # the exported drafter graph, the same for every row
+    # prefill() from any start (chunked prefill, prefix reuse): the core's dummy rows write above what
+    # their slots keep, and the rows that pad a call to its batch bucket write only at position
+    # max_seq - 1, which no request reaches (check_prompt keeps a block's room free at the end)
+    supports_prefix = True
 
     def __init__(self, device: Device, target_cfg: TargetConfig, drafter_cfg: DrafterConfig | None,
                  target_step: Step, drafter_step: Step | None, buckets: Buckets, graphs: bool = True,
@@ -78,22 +83,26 @@ class GraphBackend:
             raise InputError(f"a call over slots {lo}..{lo + batch - 1}; this backend has {self.slots} slots")
         return self.buckets.batch(batch) if lo == 0 else batch
 
-    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool) -> tuple[np.ndarray, np.ndarray]:
-        tokens = np.asarray(tokens, np.int64)[None]  # [1, n]
-        n = tokens.shape[1]
-        zero = np.zeros(1, np.int64)
+    def prefill(self, slot: int, tokens: np.ndarray, ingest: bool, start: int = 0,
+                last: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        # start > 0 runs as the layer's own prompt chunks after the first do (a past of `start` rows);
+        # on the CPU TorchDevice only: not run on a GPU, nor with TensorRT
+        tokens = np.asarray(tokens, np.int64)[None]  # [1, m]
+        m = tokens.shape[1]
+        zero, begin = np.zeros(1, np.int64), np.array([start], np.int64)  # [1]
         t0 = time.perf_counter()
-        logits, feats = self._target_rows(slot, tokens, zero, 1)  # [1, 1, V], [1, n, F]
+        logits, feats = self._target_rows(slot, tokens, begin, 1)  # [1, 1, V], [1, m, F]
         self._timed("prefill", "target", t0, {"input_ids": tokens})
         if not ingest:
             return logits[0, 0], feats[0]
-        if n > 1:  # context rows 0..n-2; the block drafted here is discarded
+        fed = m - 1 if last else m  # the prompt's last row comes with the first drafting round
+        if fed:  # context rows start..start+fed-1; the block drafted here is discarded
             t0 = time.perf_counter()
-            out = self._draft_rows(slot, feats[:, :n - 1], np.array([n - 1]), zero, zero, zero, np.zeros(1),
+            out = self._draft_rows(slot, feats[:, :fed], np.array([fed]), begin, zero, zero, np.zeros(1),
                                    np.zeros((1, self.block_size)))
             self.device.download(out["draft_tokens"])
-            self._timed("prefill", "drafter", t0, {"features": feats[:, :n - 1]})
-        return logits[0, 0], feats[0, n - 1:]
+            self._timed("prefill", "drafter", t0, {"features": feats[:, :fed]})
+        return logits[0, 0], feats[0, fed:]
 
     def target(self, tokens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t0 = time.perf_counter()
@@ -126,9 +135,10 @@ class GraphBackend:
         Bp = self._rows(lo, B)
         cols = np.arange(max(c0, first), c1, dtype=np.int64) - c0
         index = cols if len(cols) else np.array([c1 - c0 - 1], np.int64)  # one row is always computed
-        starts = _pad(starts, Bp)  # [Bp]: dummy rows at 0
+        starts = _pad(starts, Bp)  # [Bp]: padding rows read no past
         past = starts + c0  # [Bp] committed rows before this chunk
         positions = np.minimum(past[:, None] + np.arange(c1 - c0), self.max_seq - 1)  # [Bp, S]; padding clipped
+        positions[B:] = self.max_seq - 1  # the bucket's padding rows write only there (supports_prefix)
         out = self._target(TargetInputs(
             input_ids=_pad(tokens[:, c0:c1], Bp),  # [Bp, S]
             positions=positions,
@@ -193,6 +203,7 @@ class GraphBackend:
         for c0, c1 in self.buckets.chunks(n):
             past = ctx_starts + np.minimum(counts, c0)  # [Bp] rows fed before this chunk (real ones only)
             ctx = np.minimum(ctx_starts[:, None] + np.arange(c0, c1), self.max_seq - 1)  # [Bp, m]; padding clipped
+            ctx[B:] = self.max_seq - 1  # the bucket's padding rows write only there (supports_prefix)
             out = self._drafter(DrafterInputs(
                 features=np.ascontiguousarray(features[:, c0:c1]),  # [Bp, m, F]
                 positions=np.concatenate([ctx, block], axis=1),  # [Bp, m+γ]
