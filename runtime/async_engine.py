@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import EngineCore, EngineFullError, RequestOutput, UnknownRequestError, check_prompt
+from .core import EngineCore, EngineFullError, RequestOutput, UnknownRequestError, check_prompt, room
 from .engine import Engine, Prompt, Result, TextStream, cut_at_stop
 from .errors import InputError
 from .request import SamplingParams, Stats
@@ -146,8 +146,8 @@ class AsyncEngine:
         return self.engine.params(temperature, max_new_tokens, seed, stop)
 
     def room(self, prompt_tokens: int) -> int:
-        """The largest max_new_tokens a prompt of this many tokens may ask for (check_prompt's limit)."""
-        return self.engine.backend.max_seq - prompt_tokens - self.engine.backend.block_size - 1
+        """The largest max_new_tokens a prompt of this many tokens may ask for (core.room)."""
+        return room(self.engine.backend, prompt_tokens)
 
     # -- callers' side (any thread with an event loop) --
 

@@ -76,6 +76,12 @@ MIN_PREFIX = 16
 _LAST_CORE: dict[int, weakref.ref] = {}
 
 
+def room(backend: Backend, prompt_tokens: int) -> int:
+    """The largest max_new_tokens a prompt of this many tokens may ask for: prompt + budget + one
+    verification block within a slot's positions."""
+    return backend.max_seq - prompt_tokens - backend.block_size - 1
+
+
 def check_prompt(backend: Backend, prompt_ids: Sequence[int], params: SamplingParams) -> np.ndarray:
     """The prompt as int64 [n], if `backend` may serve it: non-empty, known ids, and prompt + budget +
     one block within a slot's positions."""
@@ -86,7 +92,7 @@ def check_prompt(backend: Backend, prompt_ids: Sequence[int], params: SamplingPa
     if ids.min() < 0 or ids.max() >= V:
         raise InputError(f"the prompt holds token ids outside 0..{V - 1}")
     need = n + params.max_new_tokens + gamma + 1
-    if need > backend.max_seq:
+    if params.max_new_tokens > room(backend, n):
         raise InputError(f"prompt of {n} tokens + max_new_tokens {params.max_new_tokens} + block {gamma + 1} "
                          f"= {need} exceeds the context of {backend.max_seq} positions")
     return ids
