@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import onnx
 import torch
 from tqdm import tqdm
 
@@ -18,15 +19,15 @@ from dspark.runtime.manifest import Manifest
 from .checkpoint import load_drafter
 from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
-from .onnx_export import export_drafter, export_target
-from .ort_graph import ACCURACY_LEVEL, export_drafter_ort, export_target_ort, supports_ort_graph
+from .onnx_export import export_drafter, export_target, graph_ops
+from .ort_graph import ACCURACY_LEVEL, embed_from_blocks, export_drafter_ort, export_target_ort, supports_ort_graph
 from .precision import dequantize_into, describe, resolve, target_weights
+from .shared_weights import WEIGHTS_FILE, share_weights
 from .target_loader import LoadedTarget, default_target_path, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
 # The project's trained drafter for the embedded default target (scripts/train_drafter.py), bf16, no embeddings.
 SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
-TARGET_FILES = ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data")
 
 
 def sha256(path: Path) -> str:
@@ -87,13 +88,16 @@ def draft_vocab(size: int, target: LoadedTarget, drafter_source: Path | None) ->
 
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
                   name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None,
-                  draft_vocab_size: int | None = None, precision: str = "auto") -> Manifest:
+                  draft_vocab_size: int | None = None, precision: str = "auto", portable: bool = False) -> Manifest:
     """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
-    hard-linked (or copied) instead of exported again: a new drafter in seconds.
-    `draft_vocab_size`: the drafter graphs propose only that many ids (draft_vocab.py).
-    `precision`: the target's weights (precision.py; auto: gguf for a GGUF, else fp32). The torch model then holds the numbers
-    the quantized weights stand for, so the portable graph and the drafter's shared embeddings
-    are exported from them; the ONNX Runtime graph reads the blocks themselves."""
+    copied instead of exported again. `draft_vocab_size`: the drafter graphs propose only that
+    many ids (draft_vocab.py). `precision`: the target's weights (precision.py; auto: gguf for a
+    GGUF, else fp32). The torch model then holds the numbers the quantized weights stand for,
+    so the portable graph and the drafter's shared embeddings are exported from them; the ONNX
+    Runtime graph reads the blocks themselves. `portable`: also the standard-op target graph
+    (target.onnx, what TensorRT and `--target-graph portable` read), which is traced (the
+    slowest step) and is the only graph the ONNX Runtime CPU engine never needs.
+    Every graph's weights are stored once, in weights.bin (shared_weights.py)."""
     out = Path(out)
     steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
@@ -104,6 +108,8 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
         raise CheckpointError(f"--precision {precision} runs only in the ONNX Runtime target graph, which this "
                               f"architecture cannot have (head size {target.model.cfg.head_dim}, odd); use "
                               f"--precision fp32")
+    if not portable and not supports_ort_graph(target.model.cfg):
+        portable = True  # the portable graph is then the only target graph
     dequantize_into(target.model, weights)
     steps.update()
     steps.set_postfix_str("loading drafter")
@@ -116,37 +122,46 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     try:
         with torch.inference_mode(False), torch.no_grad():
             if reused is not None:
-                steps.set_postfix_str("linking target graphs")
+                steps.set_postfix_str("copying target graphs")
                 graphs = {k: v for k, v in reused.graphs.items() if k.startswith("target")}
-                for f in (f for f in TARGET_FILES if (Path(reuse_target) / f).exists()):
-                    _link(Path(reuse_target) / f, tmp / f)
-                ops = {k: v for k, v in reused.extra["ops"].items() if k.startswith("target")}
+                for f in graphs.values():
+                    _copy_graph(Path(reuse_target) / f, tmp / f)
                 steps.update(2)
             else:
-                steps.set_postfix_str("exporting target graph")
-                ops = {"target": export_target(target.model, drafter.cfg.target_layer_ids, tmp / "target.onnx")}
-                graphs = {"target": "target.onnx"}
+                graphs = {}
+                if portable:
+                    steps.set_postfix_str("exporting the portable target graph")
+                    export_target(target.model, drafter.cfg.target_layer_ids, tmp / "target.onnx")
+                    graphs["target"] = "target.onnx"
                 steps.update()
                 if supports_ort_graph(target.model.cfg):
                     steps.set_postfix_str("writing ONNX Runtime target graph")
-                    ops["target_ort"] = export_target_ort(target.model, drafter.cfg.target_layer_ids,
-                                                          tmp / "target_ort.onnx", weights)
+                    export_target_ort(target.model, drafter.cfg.target_layer_ids, tmp / "target_ort.onnx", weights)
                     graphs["target_ort"] = "target_ort.onnx"
                 steps.update()
             steps.set_postfix_str("exporting drafter graph")
-            ops["drafter"] = export_drafter(drafter, tmp / "drafter.onnx", vocab=vocab)
+            export_drafter(drafter, tmp / "drafter.onnx", vocab=vocab)
             graphs["drafter"] = "drafter.onnx"
-            ops["drafter_ort"] = export_drafter_ort(tmp / "drafter.onnx", tmp / "drafter_ort.onnx")
+            export_drafter_ort(tmp / "drafter.onnx", tmp / "drafter_ort.onnx")
             graphs["drafter_ort"] = "drafter_ort.onnx"
             # the same int8 graph without the `If`, for calls whose rows are all greedy
             greedy = tmp / "drafter_greedy.onnx"  # fp32, only the quantizer's input
             export_drafter(drafter, greedy, branch="greedy", vocab=vocab)
-            ops["drafter_ort_greedy"] = export_drafter_ort(greedy, tmp / "drafter_ort_greedy.onnx")
+            export_drafter_ort(greedy, tmp / "drafter_ort_greedy.onnx")
             graphs["drafter_ort_greedy"] = "drafter_ort_greedy.onnx"
             for f in (greedy, greedy.with_name(greedy.name + ".data")):
                 f.unlink()
             steps.update()
         steps.set_postfix_str("writing bundle")
+        head = weights.get("lm_head.weight")
+        shared_head = head is not None and target.model.cfg.tie_word_embeddings
+
+        def rewrite(graph: str, model) -> None:  # the drafter gathers its embedding from the target's blocks
+            if shared_head and graph.startswith("drafter"):
+                embed_from_blocks(model, head)
+
+        share_weights(tmp, list(graphs.values()), rewrite)
+        ops = {role: graph_ops(tmp / f) for role, f in graphs.items()}
         target.tokenizer.backend_tokenizer.save(str(tmp / "tokenizer.json"))
         precision_meta = {"name": precision, **describe(weights),
                           **({"accuracy_level": ACCURACY_LEVEL} if weights else {})}
@@ -165,7 +180,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             drafter_label=label,
             source_hashes={"target": sha256(target.source),
                            "drafter": sha256(drafter_source) if drafter_source else "untrained"},
-            extra={"ops": ops, "precision": precision_meta,
+            extra={"ops": ops, "precision": precision_meta, "weights": WEIGHTS_FILE,
                    **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
@@ -180,11 +195,12 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     return manifest
 
 
-def _link(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem
-        shutil.copy2(src, dst)
+def _copy_graph(src: Path, dst: Path) -> None:
+    """A graph of another bundle, with its weights, as a graph of its own (share_weights then
+    stores them with the rest)."""
+    model = onnx.load(str(src), load_external_data=True)
+    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=dst.name + ".data", size_threshold=1024)
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -37,7 +37,7 @@ from .layers import rope_cos_sin
 from .onnx_export import graph_ops
 from .quant import BlockWeight, concat_n
 from .target import TargetModel
-from .tensorrt_ops import walk_nodes
+from .tensorrt_ops import subgraphs, walk_nodes
 
 MS = "com.microsoft"
 # int8 activations, quantized per row and per block of K: the only fast MatMulNBits on the CPU
@@ -79,7 +79,7 @@ def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, rank: int,
     onnxruntime #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF
     Q4_1's minimum, kept exactly)."""
     K, N = w.shape
-    y = g.op("MatMulNBits", [x, g.weight(f"{name}.q", w.q), g.weight(f"{name}.scales", w.scales)],
+    y = g.op("MatMulNBits", [x, g.const(f"{name}.q", w.q), g.const(f"{name}.scales", w.scales)],
              name if w.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=w.bits, block_size=w.block,
              accuracy_level=accuracy_level)
     if w.offsets is None:
@@ -89,6 +89,58 @@ def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, rank: int,
     sums = g.op("ReduceSum", [blocks, g.weight(f"{name}.axis", np.array([-1], np.int64))], f"{name}_sums",
                 keepdims=0)  # [..., K/block]
     return g.op("Add", [y, g.op("MatMul", [sums, g.weight(f"{name}.offsets", w.offsets)], f"{name}_min")], name)
+
+
+def block_gather(g: Builder, ids: str, w: BlockWeight, name: str, out: str) -> str:
+    """`out` = rows `ids` [B, S] of the matrix an 8-bit W [K, N] stands for, transposed: [B, S, K],
+    each row dequantized as `BlockWeight.dequantize` does (the same fp32 operations, so the same
+    bits), from the initializers `block_matmul(..., name)` reads: a tied embedding is gathered
+    from its LM head's blocks, so the bundle stores it once (shared_weights.py)."""
+    assert w.bits == 8 and w.offsets is None, "an embedding is gathered from 8-bit blocks without offsets"
+    codes = g.op("Cast", [g.op("Gather", [g.const(f"{name}.q", w.q), ids], f"{out}/q")], f"{out}/codes",
+                 to=TP.FLOAT)  # [B, S, K/block, block]
+    centred = g.op("Sub", [codes, g.const("f128", np.array(128.0, np.float32))], f"{out}/centred")
+    scales = g.op("Unsqueeze", [g.op("Gather", [g.const(f"{name}.scales", w.scales), ids], f"{out}/scales"),
+                                g.const("axis_end", np.array([-1], np.int64))], f"{out}/scales4")
+    rows = g.op("Reshape", [g.op("Mul", [centred, scales], f"{out}/blocks"),
+                            g.const("shape_flat", np.array([0, 0, -1], np.int64))], f"{out}/padded")
+    return g.op("Slice", [rows, g.const("i0_1", np.array([0], np.int64)), g.const(f"{name}.k", np.array([w.k], np.int64)),
+                          g.const("axis_end", np.array([-1], np.int64))], out)  # [B, S, K]
+
+
+def embed_from_blocks(model: onnx.ModelProto, head: BlockWeight, name: str = "logits_flat") -> int:
+    """Rewrite a graph exported from the torch model (the drafter's) so that each `Gather` over
+    the float table that `head` stands for (the tied embedding, [V, d]) gathers from the head's
+    8-bit blocks instead (`block_gather`: the same bits), and drop the table: its bytes are the
+    target graph's blocks, stored once. Returns how many Gathers were rewritten (0: the graph
+    holds no such table, e.g. an untied embedding)."""
+    table = np.ascontiguousarray(head.dequantize().T)  # [V, d]
+    count = 0
+    for graph in subgraphs(model.graph):
+        inits = {t.name: t for t in graph.initializer}
+        tables = {n for n, t in inits.items() if tuple(t.dims) == table.shape and t.data_type == TP.FLOAT
+                  and np.array_equal(numpy_helper.to_array(t), table)}
+        if not tables:
+            continue
+        nodes: list[onnx.NodeProto] = []
+        for node in graph.node:
+            if node.op_type != "Gather" or node.input[0] not in tables:
+                nodes.append(node)
+                continue
+            g = Builder()
+            block_gather(g, node.input[1], head, name, node.output[0])
+            for n in g.nodes:
+                n.name = f"{node.output[0]}/{n.name}"
+            nodes.extend(g.nodes)
+            graph.initializer.extend(t for t in g.inits if t.name not in inits)
+            inits.update({t.name: t for t in g.inits})
+            count += 1
+        del graph.node[:]
+        graph.node.extend(nodes)
+        kept = [t for t in graph.initializer if t.name not in tables]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return count
 
 
 def _linear(g: Builder, x: str, name: str, model: TargetModel, params: list[str],
@@ -181,16 +233,19 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     ids_in, index_in, starts_in, keys_in = TARGET_ORT_INPUTS
     past, (logits_out, features_out, *present) = kv_names(PAST, L), target_ort_outputs(L)
     g = Builder()
-    embed = g.weight("embed_tokens", model.embed_tokens.weight)
+    head = weights.get("lm_head.weight")
+    shared_head = c.tie_word_embeddings and head is not None  # the embedding is gathered from the head's blocks
+    embed = None if shared_head else g.weight("embed_tokens", model.embed_tokens.weight)
     cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings)[None], D, c.rope_theta)  # [1, max_pos, 1, D]
     cos, sin = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
     splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     if c.qk_norm:
         shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
         shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
-        shape_flat = g.weight("shape_flat", np.array([0, 0, -1], np.int64))
+        shape_flat = g.const("shape_flat", np.array([0, 0, -1], np.int64))
     positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
-    resid = g.op("Gather", [embed, ids_in], "resid_0")  # [B, S, d]
+    resid = (block_gather(g, ids_in, head, "logits_flat", "resid_0") if shared_head
+             else g.op("Gather", [embed, ids_in], "resid_0"))  # [B, S, d]
     feats = [resid] if -1 in feature_layer_ids else []
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
              "h_0", axis=-1, epsilon=eps)
@@ -237,8 +292,8 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                "idx_exp")
     rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
     flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
-    if "lm_head.weight" in weights:
-        logits = block_matmul(g, flat, weights["lm_head.weight"], "logits_flat", rank=2)  # [B*K, V]
+    if head is not None:
+        logits = block_matmul(g, flat, head, "logits_flat", rank=2)  # [B*K, V]
     else:
         lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
         logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy

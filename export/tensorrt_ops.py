@@ -34,13 +34,19 @@ Tanh TensorScatter ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample 
 CONSTANT_INPUTS = {"CumSum": 1, "ReduceMean": 1, "ReduceSum": 1, "ReduceMax": 1, "Squeeze": 1, "Unsqueeze": 1}
 
 
-def walk_nodes(graph: onnx.GraphProto):
-    """Every node of `graph`, including those inside If/Loop/Scan branches."""
+def subgraphs(graph: onnx.GraphProto):
+    """`graph` and every graph inside it (If/Loop/Scan branches, at any depth)."""
+    yield graph
     for node in graph.node:
-        yield node
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from walk_nodes(attr.g)
+                yield from subgraphs(attr.g)
+
+
+def walk_nodes(graph: onnx.GraphProto):
+    """Every node of `graph`, including those inside If/Loop/Scan branches."""
+    for g in subgraphs(graph):
+        yield from g.node
 
 
 def check_graph(path: str | Path) -> list[str]:

@@ -10,9 +10,10 @@ from typing import Any
 from .config import DrafterConfig, TargetConfig
 from .errors import BundleError, ConfigError
 
-BUNDLE_FORMAT = 3  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input;
-# 3: the ONNX Runtime target's row-invariant attention, inputs starts and key_count)
-EXPORTER_VERSION = "0.2.0"
+BUNDLE_FORMAT = 4  # bumped whenever graphs or manifest change incompatibly (2: the drafter's ctx_mask input;
+# 3: the ONNX Runtime target's row-invariant attention, inputs starts and key_count; 4: every graph's
+# weights in one shared weights.bin, the portable target graph only on request)
+EXPORTER_VERSION = "0.3.0"
 
 
 @dataclass
@@ -70,7 +71,9 @@ class Manifest:
         fmt = d.get("bundle_format")
         if fmt != BUNDLE_FORMAT:
             raise BundleError(f"{path}: bundle_format is {fmt!r} (exporter {d.get('exporter_version')!r}), this "
-                              f"runtime reads format {BUNDLE_FORMAT} (exporter {EXPORTER_VERSION}); re-export it")
+                              f"runtime reads format {BUNDLE_FORMAT} (exporter {EXPORTER_VERSION}); re-export it: "
+                              f"`dspark export --out {directory}` (with the --target, --drafter and --precision it "
+                              f"was made with)")
         try:
             m = cls(**{**d, "target": TargetConfig.from_dict(d["target"]),
                        "drafter": DrafterConfig.from_hf(d["drafter"])})

@@ -62,7 +62,7 @@ def tiny_bundle(tmp_path_factory) -> BundleInfo:
     """A random 4-layer GQA Llama (hidden 64, character-level tokenizer with a ChatML template),
     a DeepSpec drafter checkpoint for it (γ = 4, confidence head, vanilla Markov head biased
     by +4 towards the previous token: greedy drafts copy it, sampled drafts spread), and the
-    bundle `export_bundle` makes of them (~25 s, once per session)."""
+    bundle `export_bundle` makes of them, with the portable target graph (~25 s, once per session)."""
     from factories import copy_drafter, write_tiny_hf_target
 
     from dspark.export import load_drafter, load_target, save_drafter
@@ -75,7 +75,7 @@ def tiny_bundle(tmp_path_factory) -> BundleInfo:
     save_drafter(copy_drafter(loaded.model, block_size=TINY_BLOCK_SIZE, boost=4.0), drafter_dir)
     with warnings.catch_warnings():  # the dynamo exporter's notes on dynamic axes, not ours
         warnings.simplefilter("ignore")
-        export_bundle(out, target_dir, drafter_dir, progress=False)
+        export_bundle(out, target_dir, drafter_dir, progress=False, portable=True)
     m = loaded.model
     drafter = load_drafter(drafter_dir, embeddings=(m.embed_tokens.weight, m.lm_head.weight))
     return BundleInfo(out, target_dir, drafter_dir, m, drafter, hf_model, loaded.tokenizer)
@@ -97,8 +97,9 @@ def profiled(tiny_bundle, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
-    """The default SmolLM2 bundle at fp32: `dspark export --out <tmp>/smollm2 --precision fp32` once
-    per session (~2 min), or an existing bundle directory named by $DSPARK_BUNDLE. fp32, because
+    """The default SmolLM2 bundle at fp32 with the portable graph: `dspark export --out <tmp>/smollm2
+    --precision fp32 --portable` once per session (~2 min), or an existing bundle directory named by
+    $DSPARK_BUNDLE. fp32, because
     its tests compare it with transformers' fp32 model (the default precision, gguf, has its own
     tests: test_gguf_bundle.py)."""
     from dspark.export import default_target_path
@@ -113,7 +114,7 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     except CheckpointError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("default") / "smollm2"
-    assert main(["export", "--out", str(out), "--precision", "fp32"]) == 0
+    assert main(["export", "--out", str(out), "--precision", "fp32", "--portable"]) == 0
     return BundleInfo(out, None, None)
 
 

@@ -140,16 +140,17 @@ def tiny_tokenizer():
     return fast
 
 
-def write_tiny_hf_target(directory, seed: int = 0, layers: int = 4):
-    """A random Llama (GQA: 4 heads, 2 KV heads; hidden 64) saved with transformers'
-    save_pretrained, plus `tiny_tokenizer()`: a directory `load_target` accepts."""
+def write_tiny_hf_target(directory, seed: int = 0, layers: int = 4, tie: bool = False):
+    """A random Llama (GQA: 4 heads, 2 KV heads; hidden 64; `tie`: the LM head is the embedding)
+    saved with transformers' save_pretrained, plus `tiny_tokenizer()`: a directory `load_target`
+    accepts."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny_tokenizer()
     vocab = len(tok)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=136, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tie,
                       bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     model = randomize(LlamaForCausalLM(cfg), seed).eval()

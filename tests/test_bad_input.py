@@ -96,15 +96,16 @@ BUNDLE_CASES = {
     "missing_bundle_dir": (lambda d: shutil.rmtree(d), BundleError, "does not exist"),
     "dir_without_manifest": (_remove("manifest.json"), BundleError, "no manifest.json"),
     "missing_target_onnx": (_remove("target.onnx"), BundleError, "missing target.onnx"),
-    "missing_external_data": (_remove("drafter.onnx.data"), BundleError, "missing drafter.onnx.data"),
+    "missing_weights": (_remove("weights.bin"), BundleError, "missing weights.bin"),
     "truncated_target_onnx": (_truncate("target.onnx"), BundleError, "the manifest says"),
     "corrupt_tokenizer_same_size": (_garbage("tokenizer.json"), BundleError, "tokenizer"),
-    "file_size_mismatch": (_append("drafter.onnx.data"), BundleError, "the manifest says"),
+    "file_size_mismatch": (_append("weights.bin"), BundleError, "the manifest says"),
     "other_bundle_format": (_manifest(lambda m: m.update(bundle_format=99, exporter_version="9.9.9")), BundleError,
                             "bundle_format is 99"),
-    "format_2_bundle_before_row_invariant_attention": (
-        _manifest(lambda m: m.update(bundle_format=2, exporter_version="0.2.0")),
-        BundleError, "bundle_format is 2 (exporter '0.2.0'), this runtime reads format 3"),
+    "format_3_bundle_before_shared_weights": (
+        _manifest(lambda m: m.update(bundle_format=3, exporter_version="0.2.0")),
+        BundleError, "bundle_format is 3 (exporter '0.2.0'), this runtime reads format 4 (exporter 0.3.0); re-export "
+                     "it: `dspark export --out"),
     "target_disagrees_with_drafter": (_manifest(lambda m: m["target"].update(vocab_size=128)), BundleError,
                                       "vocab_size"),
     "graph_of_another_model": (_manifest(lambda m: m["target"].update(num_kv_heads=1)), BundleError,
@@ -115,14 +116,16 @@ BUNDLE_CASES = {
     "sps_table_of_another_precision": (
         lambda d: TINY_SPS.save(d, {"precision": "gguf"}), BundleError, "measured on a gguf target"),
 }
-# Damaged contents of either target graph, each loaded through the --target-graph that reads it.
+# Damaged contents of either target graph, each loaded through the --target-graph that reads it,
+# and of the weights file every graph shares.
 GRAPH_OF = {"target.onnx": "portable", "target_ort.onnx": "ort"}
 for _file in GRAPH_OF:
     _stem = _file.replace(".onnx", "")
     BUNDLE_CASES[f"truncated_{_stem}_sizes_rewritten"] = (_truncate(_file, keep_sizes=True), BundleError, "cannot load")
-    BUNDLE_CASES[f"truncated_{_stem}_data_sizes_rewritten"] = (_truncate(_file + ".data", keep_sizes=True),
-                                                               BundleError, "cannot load")
+    BUNDLE_CASES[f"truncated_weights_under_{_stem}_sizes_rewritten"] = (
+        _truncate("weights.bin", keep_sizes=True), BundleError, "cannot load")
     BUNDLE_CASES[f"corrupt_{_stem}_same_size"] = (_garbage(_file), BundleError, "cannot load")
+BUNDLE_CASES["truncated_weights"] = (_truncate("weights.bin", keep_sizes=False), BundleError, "weights.bin has")
 BUNDLE_CASES["corrupt_drafter_ort_same_size"] = (_garbage("drafter_ort.onnx"), BundleError, "cannot load")
 
 

@@ -62,7 +62,8 @@ class _Graph:
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=[provider])
         except Exception as e:  # onnxruntime raises its own types for corrupt files
-            raise BundleError(f"cannot load {path}: {e}") from e
+            raise BundleError(f"cannot load {path} (or the weights it names in the bundle's weights.bin): {e}; "
+                              f"the bundle is damaged: export it again with `dspark export`") from e
         self._check_shapes(path, kv, expect)
         self.kv, self.past_names = kv, past_names
         self.names = [o.name for o in self.session.get_outputs()]
@@ -161,6 +162,10 @@ class OrtBackend:
             raise BackendError(f"bundle {bundle} has a {manifest.precision} target, which only its ONNX Runtime graph "
                                f"runs (target_ort); use target graph auto or ort on the CPU provider, or export with "
                                f"--precision fp32")
+        if not self.in_place and "target" not in manifest.graphs:
+            raise BundleError(f"bundle {bundle} has no portable target graph (target.onnx), which "
+                              f"{'--target-graph portable' if target_graph == 'portable' else f'the {provider} provider'} "
+                              f"runs; export the bundle with `dspark export --portable`")
         t, d = manifest.target, manifest.drafter
         L = t.num_layers
         self.block_size = d.block_size if speculative else 0

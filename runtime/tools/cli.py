@@ -34,7 +34,7 @@ EPILOG = """examples:
   dspark bench --bundle engines/smollm2 --bundle engines/smollm2-v16k --prompt-file ../shared/data/train/gsm8k-train.jsonl --skip 7373
   dspark profile --bundle engines/smollm2 --max-slots 32
   dspark calibrate --bundle engines/smollm2 --prompts 200
-  dspark export --out engines/smollm2-fp32 --precision fp32   (TensorRT: fp32 graphs)
+  dspark export --out engines/smollm2-fp32 --precision fp32 --portable   (TensorRT: fp32, portable graphs)
   dspark build --bundle engines/smollm2-fp32 --backend tensorrt --precision fp32 --max-seq 2048
   dspark generate --bundle engines/smollm2-fp32 --backend tensorrt --prompt "Hi"
   dspark validate --bundle engines/smollm2-fp32 --backend tensorrt
@@ -79,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "dspark.export/drafters; for another target a labelled untrained one)")
     p.add_argument("--out", required=True, help="bundle directory to write, e.g. engines/smollm2")
     p.add_argument("--name", default=None, help="bundle name in the manifest (default: the directory name)")
-    p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="hard-link the target graphs of this "
-                   "bundle (same target, same feature layers) instead of exporting them again: a new drafter "
-                   "in seconds")
+    p.add_argument("--reuse-target", default=None, metavar="BUNDLE", help="copy the target graphs of this "
+                   "bundle (same target, same precision, same feature layers) instead of exporting them again")
+    p.add_argument("--portable", action="store_true", help="also write the standard-op target graph target.onnx "
+                   "(what TensorRT's `dspark build`, --target-graph portable and the cuda provider read); traced "
+                   "by torch.onnx, it is the slow part of an export, and ONNX Runtime on the CPU never needs it")
     p.add_argument("--precision", default="auto", help="the target's weights: auto (default: gguf for a .gguf "
                    "source, fp32 for a float one), fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
                    "repacked), int8 or int4 (block-wise round-to-nearest of a float source; the LM head 8-bit). "
@@ -255,7 +257,7 @@ def cmd_export(args) -> int:
     except ImportError as e:
         raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
     m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target,
-                      draft_vocab_size=args.draft_vocab, precision=args.precision)
+                      draft_vocab_size=args.draft_vocab, precision=args.precision, portable=args.portable)
     print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers ({m.precision}), drafter γ={m.drafter.block_size} "
           f"({m.drafter_label})")
     return 0

@@ -47,10 +47,10 @@ def build_tensorrt(bundle: str | Path, *, precision: str = "fp32", max_seq: int 
     missing = [r for r in ROLES if r not in manifest.graphs]
     if missing:
         raise BundleError(f"bundle {bundle} has no ONNX graph for {', '.join(missing)}: nothing to build from; "
-                          f"re-run `dspark export`")
+                          f"export it with `dspark export --portable --precision fp32`")
     if manifest.precision != "fp32":
         raise BackendError(f"bundle {bundle} has a {manifest.precision} target; TensorRT builds from fp32 bundles "
-                           f"only: re-export with --precision fp32")
+                           f"only: re-export with `dspark export --portable --precision fp32`")
     trt = import_tensorrt()
     gpu = gpu_info()
     prec = check_precision(precision, manifest.dtype, gpu.compute)
