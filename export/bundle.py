@@ -7,14 +7,17 @@ import hashlib
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import onnx
 import torch
 from tqdm import tqdm
 
+from dspark.runtime.calibration import CALIBRATION_FILE, Calibration, binding
 from dspark.runtime.errors import CheckpointError
 from dspark.runtime.manifest import Manifest
+from dspark.runtime.tools.profile import QUICK, profile
 
 from .checkpoint import load_drafter
 from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
@@ -31,8 +34,11 @@ SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
 
 def sha256(path: Path) -> str:
+    """Of a file, or of a directory's files (a drafter checkpoint's, less the calibration it
+    ships: that is fitted on the drafter, not part of it)."""
     h = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = (sorted(p for p in path.rglob("*") if p.is_file() and p.name != CALIBRATION_FILE) if path.is_dir()
+             else [path])
     for f in files:
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -88,7 +94,8 @@ def draft_vocab(size: int, target: LoadedTarget, drafter_source: Path | None) ->
 
 def export_bundle(out: str | Path, target_path: str | Path | None = None, drafter_path: str | Path | None = None,
                   name: str | None = None, progress: bool = True, reuse_target: str | Path | None = None,
-                  draft_vocab_size: int | None = None, precision: str = "auto", portable: bool = False) -> Manifest:
+                  draft_vocab_size: int | None = None, precision: str = "auto", portable: bool = False,
+                  quick_profile: bool = True) -> Manifest:
     """Write a bundle. `reuse_target`: a bundle of the same target whose target graphs are
     copied instead of exported again. `draft_vocab_size`: the drafter graphs propose only that
     many ids (draft_vocab.py). `precision`: the target's weights (precision.py; auto: gguf for a
@@ -97,9 +104,12 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     Runtime graph reads the blocks themselves. `portable`: also the standard-op target graph
     (target.onnx, what TensorRT and `--target-graph portable` read), which is traced (the
     slowest step) and is the only graph the ONNX Runtime CPU engine never needs.
-    Every graph's weights are stored once, in weights.bin (shared_weights.py)."""
+    Every graph's weights are stored once, in weights.bin (shared_weights.py).
+    The bundle is ready to schedule: the drafter's shipped calibration goes in when it was fitted
+    on this drafter-target pair, and `quick_profile` measures this machine's SPS table
+    (profile.QUICK); `dspark profile` and `dspark calibrate` redo either in full."""
     out = Path(out)
-    steps = tqdm(total=6, desc="export", disable=not progress, unit="step")
+    steps = tqdm(total=7, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
     target = load_target(target_path)
     precision = resolve(precision, target.source)
@@ -184,7 +194,12 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
                    **({"draft_vocab": {"size": len(vocab), "chosen": vocab_note}} if vocab is not None else {})},
         )
         manifest.files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-        manifest.save(tmp)
+        manifest.save(tmp)  # the tables below are not its files: profile and calibrate rewrite them
+        steps.update()
+        _ship_calibration(drafter_source, tmp, manifest, out)
+        if quick_profile:
+            steps.set_postfix_str("profiling this machine (dspark profile, quick)")
+            profile(tmp, QUICK)
         _replace(tmp, out)
         steps.update()
     except BaseException:
@@ -193,6 +208,20 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     finally:
         steps.close()
     return manifest
+
+
+def _ship_calibration(drafter_source: Path | None, tmp: Path, manifest: Manifest, out: Path) -> None:
+    """The drafter checkpoint's calibration into the bundle, when it was fitted on this pair."""
+    shipped = drafter_source / CALIBRATION_FILE if drafter_source is not None and drafter_source.is_dir() else None
+    if shipped is None or not shipped.exists():
+        return
+    _, pair = Calibration.read(shipped, "fix or remove it, then export again")
+    if pair != binding(manifest):
+        differ = ", ".join(k for k in pair if pair[k] != binding(manifest)[k])
+        warnings.warn(f"{shipped} was fitted on another {differ} than this bundle's; the bundle has no "
+                      f"calibration: run `dspark calibrate --bundle {out}`", stacklevel=3)
+        return
+    shutil.copyfile(shipped, tmp / CALIBRATION_FILE)
 
 
 def _copy_graph(src: Path, dst: Path) -> None:

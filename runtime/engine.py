@@ -84,7 +84,7 @@ class Engine:
         manifest = Manifest.load(bundle)
         sps, calibration = None, None
         if read_tables:  # `dspark profile` and `dspark calibrate` rewrite them, corrupt or not
-            sps, calibration = SpsTable.load(bundle, manifest.precision), Calibration.load(bundle, manifest.drafter.block_size)
+            sps, calibration = SpsTable.load(bundle, manifest.precision), Calibration.load(bundle, manifest)
         tokenizer = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
         if tokenizer.vocab_size > manifest.target.vocab_size:
             raise InputError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from .cpu import cpu_signature, differs
 from .errors import BundleError
 
 SPS_FILE = "sps.json"
@@ -62,6 +64,7 @@ class SpsTable:
         return replace(self, draft_s=self.draft_by_graph[graph]) if graph in self.draft_by_graph else self
 
     def save(self, bundle: Path, meta: dict) -> Path:
+        """meta: how it was measured ("precision": the target's; "cpu": cpu.cpu_signature())."""
         path = Path(bundle) / SPS_FILE
         path.write_text(json.dumps({"format": SPS_FORMAT, "sps": list(self.sps), "draft_s": list(self.draft_s),
                                     "draft_s_by_graph": {k: list(v) for k, v in self.draft_by_graph.items()},
@@ -71,7 +74,9 @@ class SpsTable:
     @classmethod
     def load(cls, bundle: Path, precision: str = "fp32") -> "SpsTable | None":
         """The bundle's table, None when it has none; a corrupt one, or one measured on a target of
-        another precision than `precision` (the bundle's), is a BundleError."""
+        another precision than `precision` (the bundle's), is a BundleError. One measured on
+        another CPU (other vector instructions or cores) is used with a warning: its speeds are
+        another machine's."""
         path = Path(bundle) / SPS_FILE
         if not path.exists():
             return None
@@ -83,6 +88,12 @@ class SpsTable:
             if measured != precision:
                 raise BundleError(f"{path} was measured on a {measured} target, this bundle's is {precision}; "
                                   f"re-run `dspark profile --bundle {bundle}`")
+            cpu = d.get("meta", {}).get("cpu")
+            other = differs(cpu, cpu_signature()) if isinstance(cpu, dict) else None
+            if other:
+                warnings.warn(f"{path} was measured on another CPU ({cpu.get('model')}: {other}); the scheduler "
+                              f"plans with its speeds: re-run `dspark profile --bundle {bundle}` on this machine",
+                              stacklevel=2)
             return cls(tuple(d["sps"]), tuple(d.get("draft_s", ())), tuple(tuple(r) for r in d.get("grid", ())),
                        {str(k): tuple(v) for k, v in d.get("draft_s_by_graph", {}).items()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:

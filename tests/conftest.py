@@ -75,7 +75,7 @@ def tiny_bundle(tmp_path_factory) -> BundleInfo:
     save_drafter(copy_drafter(loaded.model, block_size=TINY_BLOCK_SIZE, boost=4.0), drafter_dir)
     with warnings.catch_warnings():  # the dynamo exporter's notes on dynamic axes, not ours
         warnings.simplefilter("ignore")
-        export_bundle(out, target_dir, drafter_dir, progress=False, portable=True)
+        export_bundle(out, target_dir, drafter_dir, progress=False, quick_profile=False, portable=True)
     m = loaded.model
     drafter = load_drafter(drafter_dir, embeddings=(m.embed_tokens.weight, m.lm_head.weight))
     return BundleInfo(out, target_dir, drafter_dir, m, drafter, hf_model, loaded.tokenizer)
@@ -98,7 +98,7 @@ def profiled(tiny_bundle, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
     """The default SmolLM2 bundle at fp32 with the portable graph: `dspark export --out <tmp>/smollm2
-    --precision fp32 --portable` once per session (~2 min), or an existing bundle directory named by
+    --precision fp32 --portable --no-profile` once per session (~2 min), or an existing bundle directory named by
     $DSPARK_BUNDLE. fp32, because
     its tests compare it with transformers' fp32 model (the default precision, gguf, has its own
     tests: test_gguf_bundle.py)."""
@@ -114,7 +114,7 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     except CheckpointError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("default") / "smollm2"
-    assert main(["export", "--out", str(out), "--precision", "fp32", "--portable"]) == 0
+    assert main(["export", "--out", str(out), "--precision", "fp32", "--portable", "--no-profile"]) == 0
     return BundleInfo(out, None, None)
 
 

@@ -103,7 +103,7 @@ def test_bundle_with_a_draft_vocabulary_is_lossless(tiny_bundle, tmp_path):
     save_counts(drafter_dir, counts, "a test sentence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = export_bundle(tmp_path / "b", tiny_bundle.target_dir, drafter_dir, progress=False,
+        m = export_bundle(tmp_path / "b", tiny_bundle.target_dir, drafter_dir, progress=False, quick_profile=False,
                           reuse_target=tiny_bundle.path, draft_vocab_size=30)
     assert m.extra["draft_vocab"]["size"] == 30
     assert "most frequent ids in" in m.extra["draft_vocab"]["chosen"]
@@ -120,6 +120,6 @@ def test_bundle_with_a_draft_vocabulary_is_lossless(tiny_bundle, tmp_path):
     assert drafted and all(set(d.tokens.flatten().tolist()) <= vocab for d in drafted)
     for bad in (0, V + 1):  # refused before anything is exported or written
         with pytest.raises(ConfigError, match=f"expected 1..{V}"):
-            export_bundle(tmp_path / "bad", tiny_bundle.target_dir, drafter_dir, progress=False,
+            export_bundle(tmp_path / "bad", tiny_bundle.target_dir, drafter_dir, progress=False, quick_profile=False,
                           reuse_target=tiny_bundle.path, draft_vocab_size=bad)
         assert not (tmp_path / "bad").exists()

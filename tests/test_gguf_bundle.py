@@ -55,3 +55,24 @@ def test_top1_agrees_with_the_fp32_bundle(gguf_bundle, default_bundle):
     got, _ = gguf.backend.target(ids, np.zeros(1, np.int64))
     rows = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the answer
     assert (ref[0, rows].argmax(-1) == got[0, rows].argmax(-1)).mean() >= 0.9
+
+
+def test_the_default_bundle_is_small_and_ready_to_schedule(gguf_bundle, smollm2_path):
+    """Each weight once: at most 1.5 x (GGUF + drafter checkpoint) on disk. Ready out of the box:
+    the shipped calibration (fitted on this drafter, GGUF and precision) and this machine's
+    quick profile are in, so `auto` plans with the cost model from the first request, without
+    a fallback warning, and stays lossless."""
+    import warnings
+
+    from dspark.export.bundle import SHIPPED_DRAFTER
+
+    on_disk = sum(p.stat().st_size for p in gguf_bundle.iterdir() if p.is_file())
+    sources = smollm2_path.stat().st_size + sum(p.stat().st_size for p in SHIPPED_DRAFTER.iterdir())
+    assert on_disk <= 1.5 * sources, (on_disk, sources)
+    assert (gguf_bundle / "calibration.json").read_bytes() == (SHIPPED_DRAFTER / "calibration.json").read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = Engine.load(gguf_bundle, max_seq=512)
+        assert engine.scheduler("auto").name == "cost"
+        spec = engine.generate(PROMPTS[0], max_new_tokens=64)
+    assert spec.token_ids == engine.generate(PROMPTS[0], max_new_tokens=64, scheduler="none").token_ids

@@ -368,7 +368,7 @@ def test_reuse_target_copies_the_target_graphs(tiny_bundle, tmp_path):
     t, layers = tiny_bundle.target, tiny_bundle.drafter.cfg.target_layer_ids
     save_drafter(tiny_drafter(t, seed=7, block_size=3, layer_ids=layers), tmp_path / "d2")
     out = tmp_path / "b2"
-    m = export_bundle(out, tiny_bundle.target_dir, tmp_path / "d2", progress=False, reuse_target=tiny_bundle.path)
+    m = export_bundle(out, tiny_bundle.target_dir, tmp_path / "d2", progress=False, quick_profile=False, reuse_target=tiny_bundle.path)
     for f in ("target.onnx", "target_ort.onnx"):
         new, old = (onnx.load(str(b / f)).graph for b in (out, tiny_bundle.path))
         assert new.node == old.node
@@ -384,7 +384,7 @@ def test_reuse_target_copies_the_target_graphs(tiny_bundle, tmp_path):
     other = [i for i in range(t.cfg.num_layers - 1) if i not in layers][:1] + list(layers[1:])
     save_drafter(tiny_drafter(t, seed=7, layer_ids=other), tmp_path / "d3")
     with pytest.raises(CheckpointError, match="features of layers"):
-        export_bundle(tmp_path / "b3", tiny_bundle.target_dir, tmp_path / "d3", progress=False,
+        export_bundle(tmp_path / "b3", tiny_bundle.target_dir, tmp_path / "d3", progress=False, quick_profile=False,
                       reuse_target=tiny_bundle.path)
     assert not (tmp_path / "b3").exists()
 

@@ -9,6 +9,7 @@ import pytest
 
 from dspark.runtime import Engine
 from dspark.runtime.calibration import Calibration
+from dspark.runtime.manifest import Manifest
 from dspark.runtime.tools.cli import main
 from dspark.runtime.throughput import SpsTable
 
@@ -54,7 +55,7 @@ def test_profile_then_calibrate(bundle, data, capsys):
                  "--data", str(data), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "ECE raw" in out and "held-out" in out
-    cal = Calibration.load(bundle, gamma)
+    cal = Calibration.load(bundle, Manifest.load(bundle))
     meta = json.loads((bundle / "calibration.json").read_text())["meta"]
     assert meta["fit_prompts"] == meta["held_out_prompts"] == 8 and len(cal.temperatures) == gamma
     assert (bundle / "calibration.png").stat().st_size > 0

@@ -161,7 +161,7 @@ def int4_bundle(tiny_bundle, tmp_path_factory):
     out = tmp_path_factory.mktemp("int4") / "bundle"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_bundle(out, tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False, precision="int4")
+        export_bundle(out, tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False, quick_profile=False, precision="int4")
     TINY_SPS.save(out, {"synthetic": True, "precision": "int4"})
     TINY_CALIBRATION.save(out, {"synthetic": True})
     return out
@@ -225,7 +225,7 @@ def test_quantized_bundle_refuses_what_would_run_another_arithmetic(int4_bundle,
     from dspark.export.bundle import export_bundle
 
     with pytest.raises(CheckpointError, match="its target graphs are fp32, not --precision int4"):
-        export_bundle(tmp_path / "b", tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False,
+        export_bundle(tmp_path / "b", tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False, quick_profile=False,
                       reuse_target=tiny_bundle.path, precision="int4")
     assert not (tmp_path / "b").exists()
 

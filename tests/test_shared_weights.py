@@ -37,7 +37,7 @@ def tied(tmp_path_factory):
                  include_embeddings=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_bundle(root / "bundle", root / "target", root / "drafter", progress=False, precision="int8")
+        export_bundle(root / "bundle", root / "target", root / "drafter", progress=False, quick_profile=False, precision="int8")
     return root
 
 
@@ -123,8 +123,9 @@ def test_shared_graphs_compute_what_was_exported(tied, tmp_path):
         warnings.simplefilter("ignore")
         export_drafter(drafter, tmp_path / "drafter.onnx")
         export_drafter_ort(tmp_path / "drafter.onnx", tmp_path / "drafter_ort.onnx")
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    from dspark.runtime.backends.onnxruntime import session_options
+
+    so = session_options(1)  # the process's shared pool, as every other session of the tests
     rng = np.random.default_rng(0)
     for f in DRAFTER_GRAPHS:
         exported, shared = (ort.InferenceSession(str(d / f), so, providers=["CPUExecutionProvider"])

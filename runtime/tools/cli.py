@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--portable", action="store_true", help="also write the standard-op target graph target.onnx "
                    "(what TensorRT's `dspark build`, --target-graph portable and the cuda provider read); traced "
                    "by torch.onnx, it is the slow part of an export, and ONNX Runtime on the CPU never needs it")
+    p.add_argument("--no-profile", action="store_true", help="skip the quick profile of this machine (about 30 s on "
+                   "2 cores) that gives the bundle its SPS table, so that the default scheduler plans from the "
+                   "start; `dspark profile` measures the full one")
     p.add_argument("--precision", default="auto", help="the target's weights: auto (default: gguf for a .gguf "
                    "source, fp32 for a float one), fp32 (a GGUF dequantized), gguf (the GGUF's own Q4_1/Q8_0 blocks, "
                    "repacked), int8 or int4 (block-wise round-to-nearest of a float source; the LM head 8-bit). "
@@ -257,7 +260,8 @@ def cmd_export(args) -> int:
     except ImportError as e:
         raise DSparkError(f"`dspark export` needs the export extra (pip install 'dspark-trt[export]'): {e}") from e
     m = export_bundle(args.out, args.target, args.drafter, args.name, reuse_target=args.reuse_target,
-                      draft_vocab_size=args.draft_vocab, precision=args.precision, portable=args.portable)
+                      draft_vocab_size=args.draft_vocab, precision=args.precision, portable=args.portable,
+                      quick_profile=not args.no_profile)
     print(f"wrote {args.out}: target {m.target.arch} {m.target.num_layers} layers ({m.precision}), drafter γ={m.drafter.block_size} "
           f"({m.drafter_label})")
     return 0

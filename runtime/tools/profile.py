@@ -17,6 +17,7 @@ import numpy as np
 
 from ..backends import RunTimer, StepBatch
 from ..core import Request, generate_batch
+from ..cpu import cpu_signature
 from ..engine import Engine
 from ..errors import InputError
 from ..manifest import Manifest
@@ -37,12 +38,16 @@ class ProfileConfig:
     breakdown_tokens: int = 48  # tokens generated per request for the phase breakdown
 
 
+# What `dspark export` measures unless told not to (about 30 s on a 2-core CPU): enough for the
+# default scheduler to plan with; past 8 slots the table extrapolates, `dspark profile` measures.
+QUICK = ProfileConfig(max_slots=8, repeats=3, breakdown_tokens=16)
+
+
 def memory_needed(manifest: Manifest, bundle: Path, slots: int, max_seq: int) -> int:
-    """Bytes: KV buffers of target and drafter, plus the graphs' weights (two target graphs are
-    opened when ONNX Runtime's variant serves batch 1 and the portable one batched verification)."""
+    """Bytes: KV buffers of target and drafter, plus the graphs' weights."""
     t, d = manifest.target, manifest.drafter
     kv = 2 * 4 * slots * max_seq * (t.num_layers * t.num_kv_heads * t.head_dim + d.num_layers * d.num_kv_heads * d.head_dim)
-    weights = sum(p.stat().st_size for p in bundle.iterdir() if p.name.endswith((".onnx", ".data")))
+    weights = sum(p.stat().st_size for p in bundle.iterdir() if p.name.endswith((".onnx", ".data", ".bin")))
     return kv + weights
 
 
@@ -157,7 +162,7 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
     breakdown = {R: phase_breakdown(be, R, cfg, rng) for R in sorted({1, cfg.max_slots})}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "context": cfg.context, "repeats": cfg.repeats, "rows_measured": rows, "tokens_per_row": s_max,
-            "graph": "target_ort" if be.in_place else "target", "precision": manifest.precision,
+            "graph": "target_ort" if be.in_place else "target", "precision": manifest.precision, "cpu": cpu_signature(),
             "engine": engine_kwargs,
             "phase_breakdown_ms_per_cycle": breakdown}
     table.save(bundle, meta)
