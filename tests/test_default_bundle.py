@@ -57,9 +57,10 @@ def test_manifest_is_valid_and_labelled(default_bundle, manifest):
     assert m.graphs == {"target": "target.onnx", "target_ort": "target_ort.onnx", "drafter": "drafter.onnx",
                         "drafter_ort": "drafter_ort.onnx", "drafter_ort_greedy": "drafter_ort_greedy.onnx"}
     assert m.tokenizer == "tokenizer.json"
-    for name in ("target.onnx", "target.onnx.data", "target_ort.onnx", "target_ort.onnx.data", "drafter.onnx",
-                 "drafter.onnx.data", "tokenizer.json"):
+    assert m.extra["weights"] == "weights.bin"
+    for name in (*m.graphs.values(), "weights.bin", "tokenizer.json"):
         assert m.files[name] == (default_bundle.path / name).stat().st_size
+    assert not list(default_bundle.path.glob("*.data"))  # every weight lives in weights.bin
     t, d = m.target, m.drafter
     assert (t.arch, t.num_layers, t.vocab_size, t.hidden_size) == ("llama", 30, 49152, 576)
     assert d.vocab_size == t.vocab_size and d.num_target_layers == t.num_layers and d.block_size >= 1
