@@ -22,6 +22,7 @@ import urllib.request
 import openai
 import pytest
 from factories import reference_logits
+from servers import free_port, wait_healthy
 
 from dspark.runtime import AsyncEngine, Engine
 from dspark.runtime.tools.parity import greedy_match
@@ -32,23 +33,6 @@ SLOTS = 3
 BODY_LIMIT = 16384
 PROMPT = "Hello there, how are you?"
 TIMEOUT = 60  # s: every wait is bounded
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, alive=lambda: True) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        assert alive(), "the server exited"
-        with contextlib.suppress(OSError):
-            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy")
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +360,19 @@ def test_serve_help(capsys):
     out = capsys.readouterr().out
     assert e.value.code == 0 and all(f in out for f in ("--bundle", "--host", "--port", "--slots", "--max-queue",
                                                         "--api-key", "--model-name", "--max-body-bytes", "--threads"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be 0"),
+    (["--replicas", "2"], "--replicas apply only with --ray"),
+    (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+    (["--ray", "--replicas", "2", "--autoscale-max", "1"], "--autoscale-max (1) must be at least --replicas (2)"),
+])
+def test_serve_flags_are_checked_before_loading(flags, message, capsys):
+    from dspark.runtime.tools.cli import main
+
+    assert main(["serve", "--bundle", "/nonexistent", *flags]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_serving_does_not_load_with_the_lean_runtime():

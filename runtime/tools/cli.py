@@ -20,7 +20,8 @@ import sys
 import warnings
 
 from ..backends import BACKENDS
-from ..errors import DSparkError
+from ..core import PREFILL_CHUNK
+from ..errors import DSparkError, InputError
 from ..schedulers import NAMES
 
 EPILOG = """examples:
@@ -132,7 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default="auto", choices=list(NAMES), help="verification length (see `dspark "
                    "generate --help`; default auto)")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled per step, so "
+                   f"that a long prompt joining does not stall every stream (default {PREFILL_CHUNK}; 0: whole prompts)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--ray", action="store_true", help="serve on Ray Serve, one engine per replica (needs the [ray] "
+                   "extra); --threads defaults to 1 there")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas (default 1)")
+    p.add_argument("--autoscale-max", type=int, default=None, help="with --ray: autoscale from --replicas up to "
+                   "this many on ongoing requests per replica (target: --slots)")
+    p.add_argument("--ray-address", default=None, help="with --ray: the cluster to join (`auto`, or HOST:PORT; "
+                   "default: start a local one)")
 
     from .bench import DATASETS
     p = sub.add_parser("bench", help="accepted length per benchmark dataset (the paper's Table 1 and Figure 2)",
@@ -325,7 +335,24 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": r.text})
 
 
+def _check_serve_args(args) -> None:
+    if args.prefill_chunk < 0:
+        raise InputError(f"--prefill-chunk must be 0 (whole prompts) or positive, got {args.prefill_chunk}")
+    ray_only = [flag for flag, value, default in (("--replicas", args.replicas, 1), ("--autoscale-max",
+                args.autoscale_max, None), ("--ray-address", args.ray_address, None)) if value != default]
+    if ray_only and not args.ray:
+        raise InputError(f"{', '.join(ray_only)} apply only with --ray")
+    if args.replicas < 1:
+        raise InputError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.autoscale_max is not None and args.autoscale_max < args.replicas:
+        raise InputError(f"--autoscale-max ({args.autoscale_max}) must be at least --replicas ({args.replicas})")
+
+
 def cmd_serve(args) -> int:
+    _check_serve_args(args)
+    chunk = args.prefill_chunk or None
+    if args.ray:
+        return _serve_ray(args, chunk)
     try:
         from ..serving.app import serve
     except ImportError as e:
@@ -336,11 +363,30 @@ def cmd_serve(args) -> int:
 
     engine = AsyncEngine.load(args.bundle, slots=args.slots, max_waiting=args.max_queue, scheduler=args.scheduler,
                               threshold=args.threshold, max_seq=args.max_seq, backend=args.backend,
-                              **_device_kwargs(args))
+                              prefill_chunk=chunk, **_device_kwargs(args))
     model = args.model_name or engine.engine.manifest.name or Path(args.bundle).resolve().name
     print(f"serving {model} on http://{args.host}:{args.port}/v1 ({args.slots} slots, queue {args.max_queue})",
           file=sys.stderr)
     serve(engine, model, args.host, args.port, args.api_key, args.max_body_bytes, args.log_level)
+    return 0
+
+
+def _serve_ray(args, chunk: int | None) -> int:
+    try:
+        from ..serving.ray_app import ClusterConfig, ReplicaConfig, run
+    except ImportError as e:
+        raise DSparkError(f"`dspark serve --ray` needs the ray extra (pip install 'dspark-trt[ray]'): {e}") from e
+    from pathlib import Path
+
+    from ..manifest import Manifest
+
+    bundle = Path(args.bundle).resolve()
+    manifest = Manifest.load(bundle)  # a bad bundle fails here, not in every replica
+    load = {**_device_kwargs(args), "threads": args.threads or 1, "prefill_chunk": chunk}
+    replica = ReplicaConfig(str(bundle), args.slots, args.max_queue, args.model_name or manifest.name or bundle.name,
+                            args.api_key, args.max_body_bytes, args.scheduler, args.threshold, args.max_seq,
+                            args.backend, load)
+    run(replica, ClusterConfig(args.replicas, args.autoscale_max), args.host, args.port, args.ray_address)
     return 0
 
 
