@@ -115,3 +115,12 @@ def test_bench_prompt_file_bad_input(case, message, tiny_bundle, tmp_path, capsy
     argv = ["bench", "--bundle", str(tiny_bundle.path), "--data", str(data), "--out", str(tmp_path / "o"), *case]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_line_separator_inside_a_record_does_not_end_it(tmp_path):
+    """JSON Lines ends records at "\\n" only; a U+2028 inside a string (arena-hard-v2 has one) is text."""
+    from dspark.runtime.tools.prompts import read_prompt_file
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"turns": ["one\u2028two"]}\n\n{"turns": ["three"]}\n', encoding="utf-8")
+    assert read_prompt_file(path, 2) == ["one\u2028two", "three"]

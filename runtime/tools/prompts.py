@@ -124,7 +124,8 @@ def read_prompt_file(path: Path, n: int, skip: int = 0) -> list[str]:
     ({"turns": [...]}) or training records (GSM8K `question`, alpaca `instruction`, our own
     `text`; the user message only, never an answer)."""
     out = []
-    for no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    # JSON Lines ends records at "\n" only: str.splitlines() would also cut at a U+2028 inside a string
+    for no, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
