@@ -22,11 +22,11 @@ from dspark.runtime.tools.profile import QUICK, profile
 from .checkpoint import load_drafter
 from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
-from .onnx_export import export_drafter, export_target, graph_ops
+from .onnx_export import export_drafter, export_target, graph_ops, greedy_from_cond
 from .ort_graph import ACCURACY_LEVEL, embed_from_blocks, export_drafter_ort, export_target_ort, supports_ort_graph
 from .precision import dequantize_into, describe, resolve, target_weights
 from .shared_weights import WEIGHTS_FILE, share_weights
-from .target_loader import LoadedTarget, default_target_path, load_target
+from .target_loader import LoadedTarget, default_target_path, gguf_parsed_once, load_target
 
 UNTRAINED = "untrained: random initialisation (1 layer, γ=7, vanilla Markov r=64, seed 0); no speedup expected"
 # The project's trained drafter for the embedded default target (scripts/train_drafter.py), bf16, no embeddings.
@@ -111,9 +111,10 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     out = Path(out)
     steps = tqdm(total=7, desc="export", disable=not progress, unit="step")
     steps.set_postfix_str("loading target")
-    target = load_target(target_path)
-    precision = resolve(precision, target.source)
-    weights = target_weights(target.model, target.source, precision)
+    with gguf_parsed_once():  # a GGUF source: transformers' reads and the blocks' read parse it once
+        target = load_target(target_path)
+        precision = resolve(precision, target.source)
+        weights = target_weights(target.model, target.source, precision)
     if weights and not supports_ort_graph(target.model.cfg):
         raise CheckpointError(f"--precision {precision} runs only in the ONNX Runtime target graph, which this "
                               f"architecture cannot have (head size {target.model.cfg.head_dim}, odd); use "
@@ -156,7 +157,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             graphs["drafter_ort"] = "drafter_ort.onnx"
             # the same int8 graph without the `If`, for calls whose rows are all greedy
             greedy = tmp / "drafter_greedy.onnx"  # fp32, only the quantizer's input
-            export_drafter(drafter, greedy, branch="greedy", vocab=vocab)
+            greedy_from_cond(tmp / "drafter.onnx", greedy)
             export_drafter_ort(greedy, tmp / "drafter_ort_greedy.onnx")
             graphs["drafter_ort_greedy"] = "drafter_ort_greedy.onnx"
             for f in (greedy, greedy.with_name(greedy.name + ".data")):

@@ -48,7 +48,7 @@ class TargetGraph(nn.Module):
         return (logits, features, *keys, *values)
 
 
-BRANCHES = ("cond", "sampled", "greedy")
+BRANCHES = ("cond", "sampled")
 
 
 class SequentialStage(nn.Module):
@@ -58,10 +58,8 @@ class SequentialStage(nn.Module):
     branch: "cond" = an `If` takes a branch without the softmax and cumulative sums over the
     vocabulary when every row is greedy (one graph for every temperature); "sampled" = always
     the sampled branch (exact for greedy rows too, no host sync on a condition, so a CUDA
-    graph can capture it); "greedy" = the greedy branch alone, for calls whose rows all have
-    temperature 0 (the caller's promise: `temperature` and `uniforms` are not read), returning
-    no distributions (probs None): at T = 0 acceptance compares tokens, so γ one-hot rows over
-    the vocabulary would be built and copied for nothing."""
+    graph can capture it). The greedy-only ONNX graph, for calls whose rows all have T = 0, is
+    the "cond" graph's greedy branch without its distributions (onnx_export.greedy_from_cond)."""
 
     def __init__(self, drafter: Drafter, branch: str = "cond"):
         super().__init__()
@@ -71,12 +69,9 @@ class SequentialStage(nn.Module):
         self.branch = branch
 
     def forward(self, h, base, anchor, temperature, uniforms):
-        """h [B, γ, d], base [B, γ, K] -> tokens [B, γ], probs [B, γ, V] (None: "greedy"), confidence [B, γ]."""
+        """h [B, γ, d], base [B, γ, K] -> tokens [B, γ], probs [B, γ, V], confidence [B, γ]."""
         if self.branch == "sampled":
             return self.sampled(h, base, anchor, temperature, uniforms)
-        if self.branch == "greedy":
-            out = self.drafter.sequential(h, base, anchor, probs=False)
-            return out.tokens, None, out.confidence_logits
         return torch.cond((temperature <= 0).all(), self.greedy, self.sampled, (h, base, anchor, temperature, uniforms))
 
     def greedy(self, h, base, anchor, temperature, uniforms):
@@ -90,7 +85,7 @@ class SequentialStage(nn.Module):
 
 class DrafterGraph(nn.Module):
     """Backbone + the γ-step sequential stage, unrolled, with randomness as an input
-    (graph_io: the drafter graph; `draft_probs` is not an output of branch "greedy").
+    (graph_io: the drafter graph).
 
     vocab: a draft vocabulary (restrict_vocab); the outputs keep the whole vocabulary's ids and
     width. The projections are fused as in the target graph, but Qwen3's q and k norms stay two
@@ -113,4 +108,4 @@ class DrafterGraph(nn.Module):
         mask = torch.cat([past_mask, ctx_mask, block], dim=1)[:, None]  # [B, 1, P + n + γ]
         h, ctx_keys, ctx_values = d.backbone(features, d.block(anchor), positions, mask, past[:L], past[L:])
         tokens, probs, conf = self.sequential(h, d.lm_head(h), anchor, temperature, uniforms)
-        return (tokens, *([] if probs is None else [probs]), conf, *ctx_keys, *ctx_values)
+        return (tokens, probs, conf, *ctx_keys, *ctx_values)

@@ -54,7 +54,7 @@ def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: to
             torch.zeros(_B, dtype=torch.long), torch.ones(_B), torch.rand(_B, gamma), torch.zeros(_B, _P),
             torch.zeros(_B, _S), *kv)
     inputs = [*DRAFTER_INPUTS, *kv_names(PAST, L)]
-    outputs = drafter_outputs(L, probs=branch != "greedy")
+    outputs = drafter_outputs(L)
     b, n, p, smax = (torch.export.Dim(nm, min=1, max=m) for nm, m in
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
     shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
@@ -63,6 +63,48 @@ def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: to
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
                                 verbose=False)
     _save(program, path)
+    return graph_ops(path)
+
+
+def greedy_from_cond(cond: Path, path: Path) -> list[str]:
+    """The drafter graph of branch "greedy" from an exported "cond" graph, without a second trace:
+    the `If` on "every row is greedy" replaced by its then-branch, `draft_probs` dropped from the
+    outputs, and what only fed it removed. The inputs stay (temperature and uniforms unread)."""
+    model = onnx.load(str(cond))
+    g = model.graph
+    (node,) = [n for n in g.node if n.op_type == "If"]
+    branch = next(a.g for a in node.attribute if a.name == "then_branch")  # taken when every row is greedy
+    rename = {b.name: o for b, o in zip(branch.output, node.output)}
+    inlined = []
+    for n in branch.node:
+        n = onnx.NodeProto.FromString(n.SerializeToString())
+        n.input[:] = [rename.get(x, x) for x in n.input]
+        n.output[:] = [rename.get(o, o) for o in n.output]
+        inlined.append(n)
+    g.initializer.extend(branch.initializer)
+    at = list(g.node).index(node)
+    nodes = [*g.node[:at], *inlined, *g.node[at + 1:]]
+    probs = set(drafter_outputs(0)) - set(drafter_outputs(0, probs=False))
+    kept_outputs = [o for o in g.output if o.name not in probs]
+    del g.output[:]
+    g.output.extend(kept_outputs)
+    needed, live = {o.name for o in g.output}, []
+    for n in reversed(nodes):  # topological order: a node is live when something live reads it
+        if any(o in needed for o in n.output):
+            live.append(n)
+            needed.update(n.input)
+    del g.node[:]
+    g.node.extend(reversed(live))
+    kept_weights = [t for t in g.initializer if t.name in needed]
+    del g.initializer[:]
+    g.initializer.extend(kept_weights)
+    names = {t.name for t in g.initializer} | {x for n in g.node for x in n.output}
+    kept_info = [v for v in g.value_info if v.name in names]
+    del g.value_info[:]
+    g.value_info.extend(kept_info)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    onnx.checker.check_model(str(path))
     return graph_ops(path)
 
 

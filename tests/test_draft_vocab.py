@@ -54,15 +54,16 @@ def _inputs(drafter, B=2, n=3, P=4, smax=16, temperature=1.0, seed=0):
             torch.zeros(B, P), torch.zeros(B, n), *past)
 
 
-@pytest.mark.parametrize("branch", ["sampled", "greedy"])
-def test_graph_restricted_to_a_vocabulary(branch):
+@pytest.mark.parametrize("mode", ["sampled", "greedy"])
+def test_graph_restricted_to_a_vocabulary(mode):
     """Greedy: with every full-vocabulary draft inside the draft vocabulary, the same drafts and
     confidences. Sampled: tokens inside it, distributions supported on it and summing to 1, and
     slot 1's distribution the full one's renormalised over it."""
     t = tiny_target()
     d = tiny_drafter(t, seed=3, block_size=4, layer_ids=(-1, 1, 2))
     V = d.cfg.vocab_size
-    temp = 0.0 if branch == "greedy" else 1.0
+    temp = 0.0 if mode == "greedy" else 1.0
+    branch = "cond" if mode == "greedy" else "sampled"  # at T = 0 the `If` takes the greedy branch
     args = _inputs(d, temperature=temp)
     with torch.no_grad():
         full = DrafterGraph(d, branch).eval()(*args)
@@ -74,9 +75,9 @@ def test_graph_restricted_to_a_vocabulary(branch):
         vocab = torch.unique(torch.cat([tokens.flatten(), extra]))  # sorted, distinct
         sub = DrafterGraph(d, branch, vocab).eval()(*args)
     assert torch.isin(sub[0], vocab).all()
-    if branch == "greedy":
+    if mode == "greedy":
         assert sub[0].tolist() == tokens.tolist()
-        torch.testing.assert_close(sub[1], full[1], rtol=0, atol=1e-5)  # confidence logits
+        torch.testing.assert_close(sub[2], full[2], rtol=0, atol=1e-5)  # confidence logits
         return
     probs, probs_full = sub[1], full[1]  # [B, γ, V]
     outside = torch.ones(V, dtype=torch.bool)
