@@ -22,7 +22,7 @@ from dspark.runtime.tools.profile import QUICK, profile
 from .checkpoint import load_drafter
 from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
-from .onnx_export import export_drafter, export_target, graph_ops, greedy_from_cond
+from .onnx_export import export_drafter, export_target, graph_ops, greedy_from_cond, quiet_exporters
 from .ort_graph import ACCURACY_LEVEL, embed_from_blocks, export_drafter_ort, export_target_ort, supports_ort_graph
 from .precision import dequantize_into, describe, resolve, target_weights
 from .shared_weights import WEIGHTS_FILE, share_weights
@@ -131,7 +131,7 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), quiet_exporters():
             if reused is not None:
                 steps.set_postfix_str("copying target graphs")
                 graphs = {k: v for k, v in reused.graphs.items() if k.startswith("target")}

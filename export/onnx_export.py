@@ -3,6 +3,10 @@
 Example inputs use sizes >= 2 on every dynamic axis: the exporter specialises 0 and 1."""
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -16,6 +20,21 @@ from .target import TargetModel
 
 OPSET = 18
 _B, _S, _P, _SMAX, _K = 2, 3, 5, 16, 2
+
+
+@contextlib.contextmanager
+def quiet_exporters() -> Iterator[None]:
+    """Silence the exporting libraries' notes on their own internals while graphs are written:
+    torch.onnx's deprecations, dynamic-axis notes and skipped torchvision ops, and ONNX Runtime's
+    quantizer's pre-processing hint. None asks anything of a user; errors still raise."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
 
 
 def _save(program, path: Path) -> None:
