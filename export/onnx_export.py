@@ -63,8 +63,8 @@ def export_target(model: TargetModel, feature_layer_ids: tuple[int, ...], path: 
     return graph_ops(path)
 
 
-def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: torch.Tensor | None = None) -> list[str]:
-    """branch: the sequential stage's form (graphs.SequentialStage); every form has the same inputs.
+def export_drafter(drafter: Drafter, path: Path, vocab: torch.Tensor | None = None) -> list[str]:
+    """The drafter graph with the sequential stage's greedy/sampled `If` (graphs.SequentialStage).
     vocab: a draft vocabulary [K] (draft_vocab.restrict_vocab), or None for the whole vocabulary."""
     c = drafter.cfg
     L, gamma = c.num_layers, c.block_size
@@ -78,7 +78,7 @@ def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: to
                      (("batch", 256), ("ctx", 4096), ("past", 65536), ("max_seq", 65536)))
     shapes = ({0: b, 1: n}, {0: b, 1: n + gamma}, {0: b}, {0: b}, {0: b}, {0: b, 1: p}, {0: b, 1: n},
               tuple({0: b, 2: smax} for _ in kv))
-    program = torch.onnx.export(DrafterGraph(drafter, branch, vocab).eval(), args, input_names=inputs, output_names=outputs,
+    program = torch.onnx.export(DrafterGraph(drafter, vocab=vocab).eval(), args, input_names=inputs, output_names=outputs,
                                 dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, optimize=True,
                                 verbose=False)
     _save(program, path)
@@ -86,23 +86,21 @@ def export_drafter(drafter: Drafter, path: Path, branch: str = "cond", vocab: to
 
 
 def greedy_from_cond(cond: Path, path: Path) -> list[str]:
-    """The drafter graph of branch "greedy" from an exported "cond" graph, without a second trace:
-    the `If` on "every row is greedy" replaced by its then-branch, `draft_probs` dropped from the
-    outputs, and what only fed it removed. The inputs stay (temperature and uniforms unread)."""
+    """The greedy-only drafter graph from an exported drafter graph (`export_drafter`), without a
+    second trace: the `If` on "every row is greedy" replaced by its then-branch, `draft_probs`
+    dropped from the outputs, and what only fed it removed. The inputs stay (temperature and
+    uniforms unread)."""
     model = onnx.load(str(cond))
     g = model.graph
     (node,) = [n for n in g.node if n.op_type == "If"]
     branch = next(a.g for a in node.attribute if a.name == "then_branch")  # taken when every row is greedy
     rename = {b.name: o for b, o in zip(branch.output, node.output)}
-    inlined = []
-    for n in branch.node:
-        n = onnx.NodeProto.FromString(n.SerializeToString())
+    for n in branch.node:  # the branch's nodes, writing the If's outputs (the If itself is dropped)
         n.input[:] = [rename.get(x, x) for x in n.input]
         n.output[:] = [rename.get(o, o) for o in n.output]
-        inlined.append(n)
     g.initializer.extend(branch.initializer)
     at = list(g.node).index(node)
-    nodes = [*g.node[:at], *inlined, *g.node[at + 1:]]
+    nodes = [*g.node[:at], *branch.node, *g.node[at + 1:]]
     probs = set(drafter_outputs(0)) - set(drafter_outputs(0, probs=False))
     kept_outputs = [o for o in g.output if o.name not in probs]
     del g.output[:]
