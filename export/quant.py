@@ -82,6 +82,19 @@ def concat_n(parts: list[BlockWeight]) -> BlockWeight:
                        first.bits, first.block, first.k, offsets)
 
 
+def split_blocks(w: BlockWeight, block: int) -> BlockWeight:
+    """The same W in blocks of `block` (a divisor of w.block): each block's scale and offset serve
+    each of its parts, so every weight keeps its value exactly. Codes are packed along K within a
+    block, so a part's bytes are a contiguous slice of its block's."""
+    if w.block % block or block % 2:
+        raise ValueError(f"cannot split blocks of {w.block} into blocks of {block}")
+    parts = w.block // block
+    N, nb = w.scales.shape
+    q = w.q.reshape(N, nb * parts, -1)  # [N, K/block, block·bits/8]
+    offsets = None if w.offsets is None else np.repeat(w.offsets, parts, axis=0)  # [K/block, N]
+    return BlockWeight(np.ascontiguousarray(q), np.repeat(w.scales, parts, axis=1), w.bits, block, w.k, offsets)
+
+
 def take_n(w: BlockWeight, index: np.ndarray) -> BlockWeight:
     """The columns `index` of W (a permutation of output features)."""
     return BlockWeight(w.q[index], w.scales[index], w.bits, w.block, w.k,

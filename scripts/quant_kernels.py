@@ -36,7 +36,7 @@ from onnx import helper, numpy_helper
 from gguf import GGMLQuantizationType, quants
 
 from dspark.export.ort_graph import Builder, block_matmul
-from dspark.export.quant import from_q4_1, quantize_rtn
+from dspark.export.quant import from_q4_1, quantize_rtn, split_blocks
 
 MS = "com.microsoft"
 D_MODEL, QKV, INTER, VOCAB = 576, 960, 1536, 49152  # SmolLM2-135M
@@ -57,10 +57,13 @@ def nbits(bits: int, block: int, acc: int) -> Linear:
     return lin
 
 
-def gguf_q4_1(g: Builder, x: str, w: np.ndarray, name: str) -> str:
-    """W quantized by the gguf package's Q4_1, repacked: symmetric MatMulNBits + the minimum term."""
-    raw = quants.quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q4_1)
-    return block_matmul(g, x, from_q4_1(raw, w.shape[0]), name, rank=2)
+def gguf_q4_1(block: int) -> Linear:
+    """W quantized by the gguf package's Q4_1, repacked: symmetric MatMulNBits + the minimum term,
+    in blocks of `block` (32: GGUF's own; 16: each block split in two, the same weights)."""
+    def lin(g: Builder, x: str, w: np.ndarray, name: str) -> str:
+        raw = quants.quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q4_1)
+        return block_matmul(g, x, split_blocks(from_q4_1(raw, w.shape[0]), block), name, rank=2)
+    return lin
 
 
 def per_channel_int8(w: np.ndarray, qmax: int = 127) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +128,10 @@ class Candidate:
 CANDIDATES = [
     Candidate("fp32 MatMul", fp32, fp32),
     Candidate("NBits 4-bit b32 acc4 (head 8-bit b32)", nbits(4, 32, 4), nbits(8, 32, 4)),
-    Candidate("GGUF Q4_1 repacked: NBits 4-bit b32 acc4 + minimum term (head 8-bit)", gguf_q4_1, nbits(8, 32, 4)),
+    Candidate("GGUF Q4_1 repacked: NBits 4-bit b32 acc4 + minimum term (head 8-bit)", gguf_q4_1(32), nbits(8, 32, 4)),
+    Candidate("GGUF Q4_1 as b16: NBits 4-bit b16 acc4 + minimum term (head 8-bit b32)", gguf_q4_1(16),
+              nbits(8, 32, 4)),
+    Candidate("NBits 4-bit b16 acc4 (head 8-bit b16)", nbits(4, 16, 4), nbits(8, 16, 4)),
     Candidate("NBits 4-bit b64 acc4 (head 8-bit b64)", nbits(4, 64, 4), nbits(8, 64, 4)),
     Candidate("NBits 4-bit b128 acc4 (head 8-bit b64)", nbits(4, 128, 4), nbits(8, 64, 4)),
     Candidate("NBits 4-bit b32 acc1 (head 8-bit acc1)", nbits(4, 32, 1), nbits(8, 32, 1)),

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from dspark.export import TorchBackend
 from dspark.export.ort_graph import MS, Builder, block_matmul
 from dspark.export.precision import dequantize_into, describe, target_weights
-from dspark.export.quant import BlockWeight, concat_n, from_q4_1, from_q8_0, quantize_rtn, take_n
+from dspark.export.quant import BlockWeight, concat_n, from_q4_1, from_q8_0, quantize_rtn, split_blocks, take_n
 from dspark.runtime import Engine
 from dspark.runtime.backends.onnxruntime import session_options
 from dspark.runtime.errors import BackendError, CheckpointError
@@ -62,6 +62,17 @@ def test_fusing_and_reordering_columns_keep_the_numbers():
     np.testing.assert_array_equal(both.dequantize(), np.concatenate([a.dequantize(), b.dequantize()], axis=1))
     order = np.array([4, 0, 7, 1, 2, 3, 5, 6])
     np.testing.assert_array_equal(take_n(both, order).dequantize(), both.dequantize()[:, order])
+
+
+def test_splitting_blocks_keeps_every_weight():
+    """GGUF's Q4_1 in blocks of 16 (scripts/quant_kernels.py's candidate) is the same matrix."""
+    w = np.random.default_rng(3).normal(0, 1, (5, 96)).astype(np.float32)  # [N, K]
+    q = from_q4_1(quants.quantize(w, GGMLQuantizationType.Q4_1), 96)
+    half = split_blocks(q, 16)
+    assert half.block == 16 and half.q.shape == (5, 6, 8) and half.offsets.shape == (6, 5)
+    np.testing.assert_array_equal(half.dequantize(), q.dequantize())
+    with pytest.raises(ValueError):
+        split_blocks(q, 12)
 
 
 # --- the ONNX Runtime lowering ---------------------------------------------------------------------
