@@ -5,7 +5,8 @@ parse it; on ONNX Runtime's CPU provider its many small nodes are slow, so the O
 runs this variant instead: per layer one fused RMSNorm+residual
 (`SkipSimplifiedLayerNormalization`), one q/k/v projection, `RotaryEmbedding`, and an
 attention (`_attention`) that writes the new K/V rows in place into the static cache buffer
-it is given (past and present bound to the same memory, `TensorScatter`).
+it is given (past and present bound to the same memory, `TensorScatter`) and reads it with
+one `MultiHeadAttention`.
 Quantized weights (precision.py: `--precision gguf/int8/int4`) become `MatMulNBits` with int8
 activations (`block_matmul`). It is the one deliberate second lowering of `TargetModel.forward`: the torch exporter
 cannot emit these contrib ops, so it is written here, and the parity tests
@@ -180,13 +181,16 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys:
     call's k, v [B, S, Hkv·D] into it at the rows' positions (in place: `present` is bound to
     `past`'s memory). Returns [B, S, H·D].
 
-    Written so that a row's result does not depend on the call's other rows (MLAS, ONNX
-    Runtime's CPU GEMM, has a separate M = 1 kernel that rounds differently from M > 1):
-    - each KV head's G query heads × S rows are one GEMM of M = G·S rows, and never M = 1
-      (G = 1 repeats the rows), so decoding (S = 1) and verifying take the same kernel;
-    - the softmax is unnormalized exp(s − max) (max is exact in any order), summed by GEMMs:
-      e·V for the output and e·1 for the denominator (N = 16, not 1: N = 1 is another kernel),
-      so every sum runs over the keys in cache order and masked keys add exact zeros."""
+    Written so that a row's result does not depend on the call's other rows, nor on key_count
+    (the runtime rounds it up to a multiple of 16). One `MultiHeadAttention` node per layer,
+    each KV head a "head" of G·S query rows (row g·S + s is query head g, token s):
+    - its q·Kᵀ and p·V are MLAS GEMMs of M = G·S rows, never M = 1 (G = 1 repeats the rows;
+      MLAS has a separate M = 1 kernel that rounds differently), so decoding (S = 1) and
+      verifying take the same kernel, and each output sums over the keys in cache order;
+    - its softmax runs row by row (max, then one vector accumulator of exp(s − max) whose lane
+      j mod width adds the keys in order), so keys past a row's position, masked by the
+      attention bias, add at most exp(−88) each, far below the last bit of a sum that holds
+      exp(0) = 1."""
     H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     G = H // Hkv
     w = g.const
@@ -198,28 +202,18 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys:
         caches.append(g.op("Slice", [out, w("i0_1", np.array([0], np.int64)), keys, w("axis_2", np.array([2], np.int64))],
                            f"{out}_read"))  # [B, Hkv, T, D]
     key_cache, value_cache = caches
+    # q as Hkv heads of G·S rows each: row g·S + s is query head g of the group, token s
     q = g.op("Reshape", [q, w("shape_q_groups", np.array([0, 0, Hkv, G, D], np.int64))], f"q_groups_{i}")
-    q = g.op("Transpose", [q], f"q_bhgsd_{i}", perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, S, D]
-    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, 0, -1, D], np.int64))], f"q_rows_{i}")  # [B, Hkv, G·S, D]
+    q = g.op("Transpose", [q], f"q_bgshd_{i}", perm=[0, 3, 1, 2, 4])  # [B, G, S, Hkv, D]
+    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, -1, Hkv * D], np.int64))], f"q_rows_{i}")  # [B, G·S, Hkv·D]
     if G == 1:
-        q = g.op("Concat", [q, q], f"q_rows2_{i}", axis=2)  # [B, Hkv, 2S, D]
-    scores = g.op("FusedMatMul", [q, key_cache], f"scores_{i}", domain=MS, transB=1,
-                  alpha=1.0 / float(np.sqrt(D)))  # [B, Hkv, rows·S, T]
-    scores = g.op("Add", [scores, mask], f"scores_masked_{i}")
-    top = g.op("ReduceMax", [scores, w("axis_end", np.array([-1], np.int64))], f"scores_max_{i}", keepdims=1)
-    e = g.op("Exp", [g.op("Sub", [scores, top], f"scores_shift_{i}")], f"probs_raw_{i}")  # [B, Hkv, rows·S, T]
-    num = g.op("MatMul", [e, value_cache], f"attn_num_{i}")  # [B, Hkv, rows·S, D]
-    ones = g.op("ConstantOfShape", [g.op("Concat", [keys, w("i16", np.array([16], np.int64))],
-                                         f"ones_shape_{i}", axis=0)], f"ones_{i}",
-                value=numpy_helper.from_array(np.ones(1, np.float32)))  # [T, 16]
-    den = g.op("Slice", [g.op("MatMul", [e, ones], f"attn_den16_{i}"), w("i0_1", np.array([0], np.int64)),
-                         w("i1_1", np.array([1], np.int64)), w("axis_end", np.array([-1], np.int64))],
-               f"attn_den_{i}")  # [B, Hkv, rows·S, 1]
-    o = g.op("Div", [num, den], f"attn_rows_{i}")
+        q = g.op("Concat", [q, q], f"q_rows2_{i}", axis=1)  # [B, 2S, Hkv·D]
+    o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", mask], f"attn_rows_{i}", domain=MS,
+             num_heads=Hkv, scale=1.0 / float(np.sqrt(D)))  # [B, rows·S, Hkv·D]
     if G == 1:
-        o = g.op("Split", [o], [f"attn_rows1_{i}", f"attn_dup_{i}"], axis=2, num_outputs=2)
-    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, Hkv, G, -1, D], np.int64))], f"attn_groups_{i}")
-    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
+        o = g.op("Split", [o], [f"attn_rows1_{i}", f"attn_dup_{i}"], axis=1, num_outputs=2)
+    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, G, -1, Hkv, D], np.int64))], f"attn_groups_{i}")
+    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 2, 3, 1, 4])  # [B, S, Hkv, G, D]
     return g.op("Reshape", [o, w("shape_attn_out", np.array([0, 0, H * D], np.int64))], f"attn_{i}")
 
 
