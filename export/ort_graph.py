@@ -74,21 +74,19 @@ class Builder:
         return outs[0]
 
 
-def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, rank: int,
-                 accuracy_level: int = ACCURACY_LEVEL) -> str:
-    """x [..., K] (`rank` axes) · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points:
-    onnxruntime #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF
-    Q4_1's minimum, kept exactly)."""
+def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: int = ACCURACY_LEVEL) -> str:
+    """x [..., K] · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points: onnxruntime
+    #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF Q4_1's
+    minimum, kept exactly). The sums are one GEMM by the 0/1 matrix of block membership, one
+    node where Reshape + ReduceSum were two."""
     K, N = w.shape
     y = g.op("MatMulNBits", [x, g.const(f"{name}.q", w.q), g.const(f"{name}.scales", w.scales)],
              name if w.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=w.bits, block_size=w.block,
              accuracy_level=accuracy_level)
     if w.offsets is None:
         return y
-    blocks = g.op("Reshape", [x, g.weight(f"{name}.blocks", np.array([0] * (rank - 1) + [-1, w.block], np.int64))],
-                  f"{name}_blocks")  # [..., K/block, block]
-    sums = g.op("ReduceSum", [blocks, g.weight(f"{name}.axis", np.array([-1], np.int64))], f"{name}_sums",
-                keepdims=0)  # [..., K/block]
+    members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
+    sums = g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{name}_sums")  # [..., K/block]
     return g.op("Add", [y, g.op("MatMul", [sums, g.weight(f"{name}.offsets", w.offsets)], f"{name}_min")], name)
 
 
@@ -145,11 +143,11 @@ def embed_from_blocks(model: onnx.ModelProto, head: BlockWeight, name: str = "lo
 
 
 def _linear(g: Builder, x: str, name: str, model: TargetModel, params: list[str],
-            weights: dict[str, BlockWeight], rank: int = 3) -> str:
+            weights: dict[str, BlockWeight]) -> str:
     """x · W for W = the named nn.Linear weights ([out, in]) side by side along N: quantized
     when `weights` holds them, else one fp32 MatMul."""
     if params[0] in weights:
-        return block_matmul(g, x, concat_n([weights[p] for p in params]), name, rank)
+        return block_matmul(g, x, concat_n([weights[p] for p in params]), name)
     w = torch.cat([model.get_parameter(p) for p in params]).T  # [in, Σ out]
     return g.op("MatMul", [x, g.weight(name, w)], name)
 
@@ -287,7 +285,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
     flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
     if head is not None:
-        logits = block_matmul(g, flat, head, "logits_flat", rank=2)  # [B*K, V]
+        logits = block_matmul(g, flat, head, "logits_flat")  # [B*K, V]
     else:
         lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
         logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy

@@ -53,7 +53,7 @@ def fp32(g: Builder, x: str, w: np.ndarray, name: str) -> str:
 def nbits(bits: int, block: int, acc: int) -> Linear:
     """MatMulNBits, symmetric, round-to-nearest weights."""
     def lin(g: Builder, x: str, w: np.ndarray, name: str) -> str:
-        return block_matmul(g, x, quantize_rtn(w, bits, block), name, rank=2, accuracy_level=acc)
+        return block_matmul(g, x, quantize_rtn(w, bits, block), name, accuracy_level=acc)
     return lin
 
 
@@ -62,7 +62,7 @@ def gguf_q4_1(block: int) -> Linear:
     in blocks of `block` (32: GGUF's own; 16: each block split in two, the same weights)."""
     def lin(g: Builder, x: str, w: np.ndarray, name: str) -> str:
         raw = quants.quantize(np.ascontiguousarray(w.T), GGMLQuantizationType.Q4_1)
-        return block_matmul(g, x, split_blocks(from_q4_1(raw, w.shape[0]), block), name, rank=2)
+        return block_matmul(g, x, split_blocks(from_q4_1(raw, w.shape[0]), block), name)
     return lin
 
 

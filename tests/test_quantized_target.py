@@ -82,7 +82,7 @@ def block_session(w: BlockWeight) -> ort.InferenceSession:
     from onnx import helper
 
     g = Builder()
-    block_matmul(g, "x", w, "y", rank=2)
+    block_matmul(g, "x", w, "y")
     K, N = w.shape
     graph = helper.make_graph(g.nodes, "one", [helper.make_tensor_value_info("x", TP.FLOAT, ["M", K])],
                               [helper.make_tensor_value_info("y", TP.FLOAT, ["M", N])], g.inits)
