@@ -83,13 +83,13 @@ def tiny_drafter(target: TargetModel, seed: int = 1, target_hf: dict | None = No
     return d.eval()
 
 
-def copy_drafter(target: TargetModel, block_size: int = 4, seed: int = 1, boost: float = 30.0) -> Drafter:
+def copy_drafter(target: TargetModel, block_size: int = 4, seed: int = 1, boost: float = 30.0, **kw) -> Drafter:
     """A drafter whose Markov bias makes every slot repeat the previous token.
 
     Tiny random targets fall into repetition loops, so this drafter is accepted often
     there and rejected elsewhere: both paths of the loop get exercised."""
     V = target.cfg.vocab_size
-    d = tiny_drafter(target, seed=seed, block_size=block_size, markov_rank=V, head="vanilla")
+    d = tiny_drafter(target, seed=seed, block_size=block_size, markov_rank=V, head="vanilla", **kw)
     with torch.no_grad():
         d.markov_head.markov_w1.weight.copy_(boost * torch.eye(V))
         d.markov_head.markov_w2.weight.copy_(torch.eye(V))

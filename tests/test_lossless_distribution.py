@@ -19,6 +19,9 @@ shows in the output distribution.
    at α = 1e-4. N is the smallest size at which the test rejects each broken rule's
    exact distribution with probability ≥ 0.99 (non-central chi-square power), and
    the broken rules, patched into the runtime, are shown to be rejected.
+4. The exported engine: the same pair over 5 ids exported at `--precision int8|int4`,
+   whose ONNX Runtime graph (int8 activations) is the target; its joint is computed
+   from the graph itself, and a broken residual is shown to be rejected at that N.
 
 Generation runs to MAX_NEW = γ + 2 tokens although only the first K = 3 are
 histogrammed: with max_new_tokens = 3 the budget would cap the first cycle at
@@ -413,3 +416,98 @@ def test_quantized_target_distribution(precision, tmp_path):
     counts, _ = sample_histogram((target, drafter), SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} at {precision}: not the target's distribution"
+
+
+# ----- the exported quantized graph as the target ----------------------------------------
+
+N_GRAPH = 400  # seeded generate() runs on the exported engine (chi-square against its own joint)
+
+
+def write_five_token_pair(root) -> tuple:
+    """A Hugging Face directory of a target over V = 5 ids (2 layers, hidden 32, the LM head
+    scaled by 4 as in build_models: a peaked target) with a 5-token tokenizer, and a DeepSpec
+    drafter checkpoint for it whose Markov bias repeats the anchor (it disagrees with the target)."""
+    from factories import copy_drafter, randomize
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from dspark.export import load_target, save_drafter
+
+    target_dir, drafter_dir = root / "target", root / "drafter"
+    tokens = ["<s>", "<|im_end|>", "a", "b", "c"]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)},
+                                                                              unk_token="<s>")),
+                                  bos_token="<s>", eos_token="<|im_end|>", unk_token="<s>")
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=0,
+                      eos_token_id=1, tie_word_embeddings=False)
+    model = randomize(LlamaForCausalLM(cfg), 0).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    save_drafter(copy_drafter(load_target(target_dir).model, block_size=GAMMA, boost=3.0, layer_ids=(-1, 0)), drafter_dir)
+    return target_dir, drafter_dir
+
+
+def graph_joint(backend) -> np.ndarray:
+    """The exported target's own joint of the first K tokens after PROMPT (T = 1), each
+    next-token distribution from one prefill of the prefix: the graph scores a row with the
+    same bits in any call (test_ort_runtime.py), so these are the numbers generation sees."""
+    p_t = {}
+
+    def dist(gen: tuple) -> np.ndarray:
+        if gen not in p_t:
+            logits, _ = backend.prefill(0, np.asarray(PROMPT + list(gen), np.int64), ingest=False)
+            p_t[gen] = softmax(logits.astype(np.float64), 1.0)
+        return p_t[gen]
+
+    joint = np.zeros((V,) * K)
+    for cell in itertools.product(range(V), repeat=K):
+        joint[cell] = np.prod([dist(cell[:i])[cell[i]] for i in range(K)])
+    return joint
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def exported_quantized(request, tmp_path_factory):
+    """The five-token pair exported at `--precision int8|int4`: the ONNX Runtime graph with
+    MatMulNBits and int8 activations, an arithmetic of its own, is the target."""
+    import warnings
+
+    from dspark.export.bundle import export_bundle
+    from dspark.runtime import Engine
+
+    root = tmp_path_factory.mktemp(f"five_{request.param}")
+    target_dir, drafter_dir = write_five_token_pair(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_bundle(root / "bundle", target_dir, drafter_dir, progress=False, quick_profile=False,
+                      precision=request.param)
+    engine = Engine.load(root / "bundle", max_seq=32)
+    assert engine.manifest.precision == request.param
+    return engine.backend, graph_joint(engine.backend)
+
+
+def graph_histogram(backend, n: int) -> np.ndarray:
+    counts = np.zeros((V,) * K)
+    for seed in range(n):
+        g = generate(backend, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed),
+                     SCHEDULERS["fixed"])
+        counts[tuple(g.token_ids[:K])] += 1
+    return counts
+
+
+def test_exported_quantized_graph_distribution(exported_quantized):
+    """Sampled DSpark on the exported int8/int4 engine draws the first K tokens from that
+    graph's own distribution decoding alone (its int8 activations included)."""
+    backend, joint = exported_quantized
+    pvalue = chi_square_pvalue(joint, graph_histogram(backend, N_GRAPH))
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: not the exported graph's distribution"
+
+
+def test_exported_quantized_graph_test_has_power(exported_quantized, monkeypatch):
+    """The same check rejects a broken residual on this engine, so the test above can fail."""
+    backend, joint = exported_quantized
+    monkeypatch.setattr(sampling, "residual", residual_is_target)
+    pvalue = chi_square_pvalue(joint, graph_histogram(backend, N_GRAPH))
+    assert pvalue < ALPHA, f"residual=p_t: chi-square p = {pvalue:.2e}, the broken rule went unnoticed"
