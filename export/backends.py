@@ -8,8 +8,9 @@ from dspark.runtime.backends import Backend
 from dspark.runtime.errors import InputError
 from dspark.runtime.manifest import Manifest
 
-from .bundle import resolve_drafter, sha256
+from .bundle import draft_vocab, resolve_drafter, sha256
 from .cuda_graph_backend import cuda_graph_backend
+from .draft_vocab import restrict_vocab
 from .precision import dequantize_into, target_weights
 from .target_loader import load_target
 from .torch_backend import TorchBackend
@@ -33,6 +34,8 @@ def torch_backend(name: str, manifest: Manifest, max_seq: int, target_path: str 
     if got != manifest.source_hashes.get("drafter"):
         raise InputError(f"drafter {drafter_path or '(untrained default)'} is not the one bundle {manifest.name!r} "
                          f"was exported with; pass --drafter with the exported checkpoint")
+    if "draft_vocab" in manifest.extra:  # the ids the bundle's drafter graphs propose, chosen as the export did
+        restrict_vocab(drafter, draft_vocab(manifest.extra["draft_vocab"]["size"], target, source)[0])
     if name == "torch":
         return TorchBackend(target.model, drafter, max_seq)
     return cuda_graph_backend(target.model, drafter, max_seq)

@@ -254,3 +254,40 @@ def test_int8_target_graph_matches_the_engine_alone(tiny_bundle):
     ops = {n.op_type for n in proto.graph.node}
     assert "MatMulNBits" in ops and "Gemm" not in ops
     assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 4 * target.cfg.num_layers + 1
+
+
+def test_validate_compares_a_quantized_bundle_with_its_reference(int4_bundle, tiny_bundle, capsys, one_torch_thread):
+    """`dspark validate --backend torch` on an int4 bundle: the torch reference (the same weights,
+    fp32 arithmetic) passes within the quantized bounds; the same comparison catches a candidate
+    whose target distribution is wrong (its logits reversed)."""
+    import json
+
+    from dspark.runtime.tools.cli import main
+    from dspark.runtime.tools.validate import QuantizedBound, open_any_backend, validate
+
+    rc = main(["validate", "--bundle", str(int4_bundle), "--backend", "torch", "--json", "--max-new-tokens", "24",
+               "--target", str(tiny_bundle.target_dir), "--drafter", str(tiny_bundle.drafter_dir)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["ok"], report
+    assert report["quantized"] == {"mean_kl": 0.05, "feature_rel": 0.1}
+    methods = {c["name"].split(" (")[0]: c["method"] for c in report["comparisons"]}
+    assert methods["prefill logits"] == "distribution" and methods["verify features"] == "relative"
+    assert methods["draft probs"] in ("numpy", "polygraphy")  # the drafter stays fp32 on both sides
+
+    class Reversed:  # the reference's target with its logits negated: another distribution
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def target(self, tokens, starts):
+            logits, feats = self.inner.target(tokens, starts)
+            return -logits, feats
+
+    m = Manifest.load(int4_bundle)
+    ref = open_any_backend("onnxruntime", int4_bundle, m, 256)
+    bad = Reversed(open_any_backend("onnxruntime", int4_bundle, m, 256))
+    v = validate(ref, bad, [[5, 6, 7, 8, 9]], ("onnxruntime", "reversed"), max_new_tokens=4, quantized=QuantizedBound())
+    failed = {c.name.split(" (")[0] for c in v.comparisons if not c.ok}
+    assert {"prefill logits", "verify logits"} <= failed and not v.ok

@@ -217,8 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a backend and ONNX Runtime (CPU, its default graph) on the same inputs: "
                        "prefill, drafting (greedy and sampled, same uniforms) and verification outputs within "
                        "the tolerances of the precision, then greedy generations token-identical in the "
-                       "floating-point sense (a split only at a reference top-2 logit gap below 1e-3). Exit 0 when "
-                       "everything passes, 1 when something does not.")
+                       "floating-point sense (a split only at a reference top-2 logit gap below 1e-3). A quantized "
+                       "bundle's graph computes with int8 activations: against it, target logits are compared as "
+                       "distributions (mean KL), features relative to their scale, and a greedy split is allowed "
+                       "below the largest logit difference measured. Exit 0 when everything passes, 1 when "
+                       "something does not.")
     p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
     p.add_argument("--backend", required=True, help="onnxruntime, ort-portable (the standard-op target graph), "
                    "tensorrt, torch (the PyTorch reference) or torch-cuda-graph (the reference as CUDA graphs)")
@@ -446,7 +449,7 @@ def cmd_validate(args) -> int:
 
     from ..manifest import Manifest
     from ..tokenizer import ChatTokenizer
-    from .validate import open_any_backend, validate
+    from .validate import QuantizedBound, open_any_backend, validate
 
     bundle = Path(args.bundle)
     manifest = Manifest.load(bundle)
@@ -455,8 +458,10 @@ def cmd_validate(args) -> int:
     tok = ChatTokenizer(bundle / manifest.tokenizer, manifest.chat_template, manifest.special_tokens)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in args.prompt or VALIDATE_PROMPTS]
     precision = manifest.extra.get("tensorrt", {}).get("precision", "fp32") if args.backend == "tensorrt" else "fp32"
+    # a quantized bundle's ONNX Runtime graph (int8 activations) against any other arithmetic
+    quantized = QuantizedBound() if manifest.precision != "fp32" and args.backend != "onnxruntime" else None
     report = validate(reference, candidate, prompts, ("onnxruntime", args.backend), precision, args.max_new_tokens,
-                      manifest.stop_token_ids)
+                      manifest.stop_token_ids, quantized=quantized)
     print(json.dumps(report.to_dict()) if args.json else "\n".join(report.lines()))
     return 0 if report.ok else 1
 
