@@ -8,7 +8,8 @@ Pipeline, each stage resumable and regenerable by `scripts/train_drafter.py`:
    user question seeded by an alpaca task (`synthesize_prompts`, T = 1). Anything under a
    `bench` directory is refused: those are evaluation prompts.
 2. Responses: the target answers every prompt through its chat template (transformers
-   `generate`, batched, left padding), greedily (T = 0) and sampled (T = 1, no top-k/top-p),
+   `generate`, batched, left padding; or the deployed engine of a bundle, `EngineResponder`),
+   greedily (T = 0) and sampled (T = 1, no top-k/top-p),
    into JSON Lines shards {key, source, temperature, prompt, prompt_ids, response_ids, finished}.
    A prompt already answered at a temperature (same key) is skipped.
 3. Features: one forward of our `TargetModel` per sequence gives the raw features at the
@@ -26,7 +27,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
@@ -106,6 +107,53 @@ def generate_batch(model, tokenizer, prompts_ids: list[list[int]], temperature: 
     return results
 
 
+class Responder(Protocol):
+    """What answers the prompts: `encode` a user message through the chat template, and `answer`
+    encoded prompts at one temperature, prompt i with seed seeds[i], each response up to and
+    including its first stop token, with whether it stopped (False: cut at max_new_tokens)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
+               max_new_tokens: int) -> list[tuple[list[int], bool]]: ...
+
+
+@dataclass
+class TransformersResponder:
+    """transformers' `generate` on the float model, one left-padded batch (seeded by seeds[0])."""
+    model: Any
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return chat_ids(self.tokenizer, text)
+
+    def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
+               max_new_tokens: int) -> list[tuple[list[int], bool]]:
+        return generate_batch(self.model, self.tokenizer, prompts_ids, temperature, max_new_tokens, seeds[0])
+
+
+@dataclass
+class EngineResponder:
+    """The deployed target: a bundle's engine (for a quantized bundle, its int8-activation graph),
+    serving the prompts as concurrent requests over its slots. A sampled request draws what it
+    would draw alone, from its own seed, so a response does not depend on its batch."""
+    engine: Any  # dspark.runtime.Engine
+    scheduler: str = "auto"
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
+               max_new_tokens: int) -> list[tuple[list[int], bool]]:
+        from dspark.runtime import Request
+        from dspark.runtime.core import generate_batch as serve
+
+        requests = [Request(ids, self.engine.params(temperature, max_new_tokens, seed))
+                    for ids, seed in zip(prompts_ids, seeds)]
+        return [(g.token_ids, g.finish_reason == "stop")
+                for g in serve(self.engine.backend, requests, self.engine.scheduler(self.scheduler))]
+
+
 def read_responses(directory: str | Path) -> list[dict[str, Any]]:
     """All response records of `directory/responses-*.jsonl`, first occurrence of a key wins.
     A truncated last line (a run killed mid-write) is skipped with a warning."""
@@ -137,10 +185,10 @@ class GenerationConfig:
     shard_records: int = 2000
 
 
-def generate_responses(model, tokenizer, prompts: list[Prompt], out_dir: str | Path,
+def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str | Path,
                        cfg: GenerationConfig = GenerationConfig(), progress: bool = True) -> int:
-    """Answer every (prompt, temperature) not yet in `out_dir`; returns how many were written.
-    Prompts are sorted by length within a temperature so a batch pads little."""
+    """Answer every (prompt, temperature) not yet in `out_dir` with `responder`; returns how many
+    were written. Prompts are sorted by length within a temperature so a batch pads little."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -149,7 +197,7 @@ def generate_responses(model, tokenizer, prompts: list[Prompt], out_dir: str | P
     todo = [(p, t) for t in cfg.temperatures for p in prompts if prompt_key(p, t) not in done]
     if not todo:
         return 0
-    encoded = {p: chat_ids(tokenizer, p.text) for p in {p for p, _ in todo}}
+    encoded = {p: responder.encode(p.text) for p in {p for p, _ in todo}}
     todo.sort(key=lambda pt: (pt[1], len(encoded[pt[0]])))
     shard_no = len(list(out.glob("responses-*.jsonl")))
     written = in_shard = 0
@@ -165,9 +213,8 @@ def generate_responses(model, tokenizer, prompts: list[Prompt], out_dir: str | P
                 if not group:
                     continue
                 keys = [prompt_key(p, t) for p, t in group]
-                seed = int(hashlib.sha256((str(cfg.seed) + keys[0]).encode()).hexdigest()[:8], 16)
-                answers = generate_batch(model, tokenizer, [encoded[p] for p, _ in group], group[0][1],
-                                         cfg.max_new_tokens, seed)
+                seeds = [int(hashlib.sha256((str(cfg.seed) + k).encode()).hexdigest()[:8], 16) for k in keys]
+                answers = responder.answer([encoded[p] for p, _ in group], group[0][1], seeds, cfg.max_new_tokens)
                 if f is None or in_shard >= cfg.shard_records:
                     if f is not None:
                         f.close()

@@ -21,6 +21,9 @@ The pipeline (each step resumable: run it again to continue where it stopped):
      Prompts: ../shared/data/train (GSM8K questions; alpaca instructions + first input)
      plus --self-prompts N chat/code questions the target writes itself (seeded by the
      alpaca tasks). Never anything under ../shared/data/bench (refused).
+     --engine engines/smollm2 answers through the deployed engine (concurrent requests,
+     the quantized graph as served) instead of transformers: 2.3x the tokens an hour on an
+     AVX2 CPU (docs/drafter.md).
   2. cache     (optional) the target's features at the drafter's target_layer_ids and its
      final-normed last hidden state, fp16 on disk (~7 kB a token for SmolLM2 with 5 layers)
        python scripts/train_drafter.py cache --data out/drafter/data
@@ -220,8 +223,9 @@ def _prompt_texts(data: Path) -> set[str]:
 def cmd_generate(args) -> int:
     import torch
 
-    from dspark.export.train_data import (GenerationConfig, generate_responses, load_generator,
-                                          load_train_prompts, read_prompts, synthesize_prompts, write_prompts)
+    from dspark.export.train_data import (EngineResponder, GenerationConfig, TransformersResponder,
+                                          generate_responses, load_generator, load_train_prompts, read_prompts,
+                                          synthesize_prompts, write_prompts)
 
     _threads(args.threads)
     data = Path(args.data)
@@ -230,11 +234,33 @@ def cmd_generate(args) -> int:
     prompts = [p for p in prompts if p.text not in taken]
     print(f"{len(prompts)} prompts from the train files", file=sys.stderr)
     device = _device(args.device)
-    model, tok = load_generator(args.target, device=device, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+    engine = None
+    if args.engine:  # before any compute: a bad bundle is refused here
+        from dspark.runtime import Engine
+
+        from dspark.export.bundle import sha256
+        from dspark.export.target_loader import default_target_path
+
+        engine = Engine.load(args.engine, slots=args.slots, threads=args.threads)
+        source = Path(args.target) if args.target else default_target_path()
+        if engine.manifest.source_hashes.get("target") != sha256(source):
+            raise SystemExit(f"--engine {args.engine} was not exported from the target {source} (sha256 differs "
+                             f"from its manifest's); pass the bundle of --target, or export one: dspark export "
+                             f"--target {source} --out BUNDLE")
+    loaded = None
+
+    def generator():  # transformers' model: self-prompts, and responses without --engine
+        nonlocal loaded
+        if loaded is None:
+            loaded = load_generator(args.target, device=device,
+                                    dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
+        return loaded
+
     if args.self_prompts:
         path = data / "prompts-self.jsonl"
         have = read_prompts(path) if path.exists() else []
         if len(have) < args.self_prompts:
+            model, tok = generator()
             seeds = [p for p in load_train_prompts(args.prompts) if p.source == "alpaca-seed-tasks"] or prompts
             new = synthesize_prompts(model, tok, seeds, args.self_prompts - len(have), batch=args.batch,
                                      seed=args.seed + len(have), exclude=taken)
@@ -243,7 +269,8 @@ def cmd_generate(args) -> int:
         prompts = prompts + have
     cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                            batch=args.batch, seed=args.seed)
-    n = generate_responses(model, tok, prompts, data / "responses", cfg)
+    responder = EngineResponder(engine, args.scheduler) if engine is not None else TransformersResponder(*generator())
+    n = generate_responses(responder, prompts, data / "responses", cfg)
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
 
@@ -459,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="generation precision (default bf16: "
                    "faster than fp32 on CPUs with bf16 instructions (docs/drafter.md); the responses are "
                    "the target's own up to bf16 rounding)")
+    q.add_argument("--engine", default=None, metavar="BUNDLE", help="answer through this bundle's engine (the "
+                   "deployed target, e.g. engines/smollm2: the gguf graph with int8 activations) instead of "
+                   "transformers; --batch requests at a time over --slots concurrent slots. Self-prompts are "
+                   "still written by transformers")
+    q.add_argument("--slots", type=int, default=8, help="--engine: requests decoded at once (default 8)")
+    q.add_argument("--scheduler", default="auto", help="--engine: the decoding scheduler (default auto; none = "
+                   "the target alone)")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(fn=cmd_generate)
 

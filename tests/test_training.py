@@ -14,7 +14,8 @@ from factories import tiny_drafter, tiny_target, write_tiny_hf_target
 
 from dspark.export import DraftSession, load_drafter, load_target, save_drafter
 from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache, GenerationConfig,
-                                      OnTheFlySource, Prompt, cache_features, first_question, generate_responses,
+                                      EngineResponder, OnTheFlySource, Prompt, TransformersResponder, cache_features,
+                                      first_question, generate_responses,
                                       load_generator, load_train_prompts, read_prompts, read_responses,
                                       synthesize_prompts, target_states)
 from dspark.export.training import (BatchPlan, architecture_of, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
@@ -473,12 +474,44 @@ def tiny_hf(tmp_path_factory):
     return root
 
 
+def test_responses_through_the_engine(tiny_bundle, tmp_path):
+    """`generate --engine`: the bundle's engine answers as concurrent requests over its slots. A
+    greedy response is the target's greedy generation alone, a sampled one what its seed draws
+    alone under the same scheduler, a finished one ends in a stop token; the run is resumable."""
+    from dspark.runtime import Engine
+
+    engine = Engine.load(tiny_bundle.path, max_seq=256, slots=2)
+    prompts = [Prompt("What is 2+2?", "t"), Prompt("Name a color.", "t"), Prompt("Say hi", "t")]
+    gcfg = GenerationConfig(temperatures=(0.0, 1.0), max_new_tokens=12, batch=3)
+    responder = EngineResponder(engine, "fixed")
+    assert generate_responses(responder, prompts, tmp_path / "resp", gcfg, progress=False) == 6
+    assert generate_responses(responder, prompts, tmp_path / "resp", gcfg, progress=False) == 0  # resumable
+    alone = Engine.load(tiny_bundle.path, max_seq=256)
+    for r in read_responses(tmp_path / "resp"):
+        assert r["prompt_ids"] == alone.encode(r["prompt"])
+        seed = responder_seed(gcfg, r["key"])
+        solo = alone.generate(r["prompt"], max_new_tokens=12, temperature=r["temperature"], seed=seed,
+                              scheduler="none" if r["temperature"] == 0 else "fixed")  # a seed's draws follow its scheduler
+        assert r["response_ids"] == solo.token_ids, r["prompt"]
+        assert r["finished"] == (solo.finish_reason == "stop")
+        if r["finished"]:
+            assert r["response_ids"][-1] in alone.manifest.stop_token_ids
+
+
+def responder_seed(cfg: GenerationConfig, key: str) -> int:
+    """The seed generate_responses gives the request of `key`."""
+    import hashlib
+
+    return int(hashlib.sha256((str(cfg.seed) + key).encode()).hexdigest()[:8], 16)
+
+
 def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     model, tok = load_generator(tiny_hf)
     prompts = [Prompt("What is 2+2?", "t"), Prompt("Name a color.", "t"), Prompt("Say hi", "t")]
     gcfg = GenerationConfig(temperatures=(0.0, 1.0), max_new_tokens=6, batch=2)
-    assert generate_responses(model, tok, prompts, tmp_path / "resp", gcfg, progress=False) == 6
-    assert generate_responses(model, tok, prompts, tmp_path / "resp", gcfg, progress=False) == 0  # resumable
+    responder = TransformersResponder(model, tok)
+    assert generate_responses(responder, prompts, tmp_path / "resp", gcfg, progress=False) == 6
+    assert generate_responses(responder, prompts, tmp_path / "resp", gcfg, progress=False) == 0  # resumable
     recs = read_responses(tmp_path / "resp")
     assert sorted(r["temperature"] for r in recs) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     loaded = load_target(tiny_hf)
