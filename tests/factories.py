@@ -237,3 +237,15 @@ def assert_rows_invariant(engine, prompts: list[str], S: int = 8) -> None:
         diff = np.abs(row[0, 0] - solo[0, j]).max()
         assert np.array_equal(row[0, 0], solo[0, j]) and np.array_equal(row_feats[0, 0], solo_feats[0, j]), \
             f"row {j}: logits of a 1-row call differ from the {S}-row call by {diff:.3g}"
+
+
+def assert_symmetric_matmulnbits(graph_path) -> int:
+    """Every `MatMulNBits` of an exported graph has no zero points (input 3): zero points take the
+    asymmetric int8 kernel of onnxruntime issue #29853, wrong at M = 1 on AVX2. Returns how many
+    nodes it checked."""
+    import onnx
+
+    nodes = [n for n in onnx.load(str(graph_path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    for n in nodes:
+        assert len(n.input) < 4 or not n.input[3], f"{n.name} has zero points ({n.input[3]}): onnxruntime #29853"
+    return len(nodes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from factories import assert_rows_invariant
+from factories import assert_rows_invariant, assert_symmetric_matmulnbits
 
 from dspark.runtime import Engine
 from dspark.runtime.manifest import Manifest
@@ -27,6 +27,7 @@ def gguf_bundle(tmp_path_factory, smollm2_path):
 def test_the_default_precision_of_a_gguf_is_its_own_blocks(gguf_bundle):
     m = Manifest.load(gguf_bundle)
     assert m.precision == "gguf"
+    assert assert_symmetric_matmulnbits(gguf_bundle / "target_ort.onnx") == 121  # 4 per layer + the LM head
     assert m.extra["precision"]["name"] == "gguf"
     assert "com.microsoft::MatMulNBits" in m.extra["ops"]["target_ort"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from factories import TINY_CALIBRATION, TINY_SPS, assert_rows_invariant, tiny_target
+from factories import TINY_CALIBRATION, TINY_SPS, assert_rows_invariant, assert_symmetric_matmulnbits, tiny_target
 from gguf import GGMLQuantizationType, quants
 
 from dspark.export import TorchBackend
@@ -188,6 +188,7 @@ def test_manifest_records_the_precision(int4_bundle):
     assert m.precision == "int4"
     assert m.extra["precision"] == {"name": "int4", "layers": "4-bit b64", "lm_head": "8-bit b64", "accuracy_level": 4}
     assert "com.microsoft::MatMulNBits" in m.extra["ops"]["target_ort"]
+    assert assert_symmetric_matmulnbits(int4_bundle / "target_ort.onnx") > 0
 
 
 @pytest.mark.parametrize("scheduler", ["none", "fixed", "cost"])
