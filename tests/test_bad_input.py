@@ -87,6 +87,15 @@ def _append(name: str):
     return mutate
 
 
+def _set_ir_version(path: Path, version: int) -> None:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    model.ir_version = version
+    onnx.save_model(model, str(path))
+    _record_sizes(path.parent)
+
+
 def _remove(name: str):
     return lambda d: (d / name).unlink()
 
@@ -125,6 +134,8 @@ for _file in GRAPH_OF:
     BUNDLE_CASES[f"truncated_weights_under_{_stem}_sizes_rewritten"] = (
         _truncate("weights.bin", keep_sizes=True), BundleError, "cannot load")
     BUNDLE_CASES[f"corrupt_{_stem}_same_size"] = (_garbage(_file), BundleError, "cannot load")
+BUNDLE_CASES["graph_for_a_newer_onnxruntime"] = (  # onnxruntime 1.31 refuses IR version 14 the same way
+    lambda d: _set_ir_version(d / "target_ort.onnx", 99), BundleError, "upgrade it: pip install 'onnxruntime>=")
 BUNDLE_CASES["truncated_weights"] = (_truncate("weights.bin", keep_sizes=False), BundleError, "weights.bin has")
 BUNDLE_CASES["corrupt_drafter_ort_same_size"] = (_garbage("drafter_ort.onnx"), BundleError, "cannot load")
 

@@ -24,6 +24,7 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 INT8_MAX_SLOTS = 2
 
 
+MIN_ORT = "1.32"  # bundles are ONNX IR version 14 (onnx 1.23), read from onnxruntime 1.32 on (pyproject.toml)
 KEY_ALIGN = 16  # key_count is rounded up to this: no vector loop over the keys has a tail (AVX-512: 16 lanes)
 
 
@@ -62,6 +63,10 @@ class _Graph:
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=[provider])
         except Exception as e:  # onnxruntime raises its own types for corrupt files
+            if "Unsupported model IR version" in str(e) or "opset" in str(e).lower():
+                raise BundleError(f"cannot load {path}: it was written for a newer ONNX Runtime than this one "
+                                  f"(onnxruntime {ort.__version__}): {e}; upgrade it: pip install "
+                                  f"'onnxruntime>={MIN_ORT}'") from e
             raise BundleError(f"cannot load {path} (or the weights it names in the bundle's weights.bin): {e}; "
                               f"the bundle is damaged: export it again with `dspark export`") from e
         self._check_shapes(path, kv, expect)
