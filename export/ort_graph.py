@@ -36,7 +36,7 @@ from dspark.runtime.graph_io import MASKED, PAST, TARGET_ORT_INPUTS, kv_names, t
 
 from .layers import rope_cos_sin
 from .onnx_export import graph_ops
-from .quant import BlockWeight, concat_n
+from .quant import BlockWeight, concat_n, take_k, take_n
 from .target import TargetModel
 from .tensorrt_ops import subgraphs, walk_nodes
 
@@ -142,21 +142,48 @@ def embed_from_blocks(model: onnx.ModelProto, head: BlockWeight, name: str = "lo
     return count
 
 
-def _linear(g: Builder, x: str, name: str, model: TargetModel, params: list[str],
-            weights: dict[str, BlockWeight]) -> str:
-    """x · W for W = the named nn.Linear weights ([out, in]) side by side along N: quantized
-    when `weights` holds them, else one fp32 MatMul."""
-    if params[0] in weights:
-        return block_matmul(g, x, concat_n([weights[p] for p in params]), name)
-    w = torch.cat([model.get_parameter(p) for p in params]).T  # [in, Σ out]
-    return g.op("MatMul", [x, g.weight(name, w)], name)
+def _linear(g: Builder, x: str, name: str, parts: list[BlockWeight] | list[torch.Tensor]) -> str:
+    """x · W for W = `parts` side by side along N: quantized blocks, or nn.Linear weights
+    ([out, in]) as one fp32 MatMul."""
+    if isinstance(parts[0], BlockWeight):
+        return block_matmul(g, x, concat_n(parts), name)
+    return g.op("MatMul", [x, g.weight(name, torch.cat(parts).T)], name)
+
+
+def _params(model: TargetModel, weights: dict[str, BlockWeight], names: list[str]) -> list:
+    """The named linear weights: their quantized blocks where `weights` has them, else the model's."""
+    return [weights[n] if n in weights else model.get_parameter(n) for n in names]
+
+
+def _head_major(c) -> np.ndarray:
+    """The feature order of q with its heads listed group member first: position g·Hkv + kv holds
+    query head kv·G + g (of KV head kv). q in this order is [B, S, G, Hkv, D], whose reshape to
+    [B, S·G, Hkv·D] is what `_attention` feeds to MultiHeadAttention, with no Transpose."""
+    G = c.num_heads // c.num_kv_heads
+    heads = [kv * G + g for g in range(G) for kv in range(c.num_kv_heads)]
+    return np.concatenate([np.arange(h * c.head_dim, (h + 1) * c.head_dim) for h in heads])
+
+
+def _attention_weights(model: TargetModel, weights: dict[str, BlockWeight], i: int) -> tuple[list, list, bool]:
+    """(q, k, v parts; o part; whether o reads q's head-major order). q's output features are put
+    in `_head_major` order (always exact); o's input features too where that moves whole blocks
+    of its quantization (else `_attention` restores the heads' order with a Transpose)."""
+    q, k, v, o = _params(model, weights, [f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"])
+    order = _head_major(model.cfg)
+    if isinstance(q, BlockWeight):
+        q = take_n(q, order)
+        try:
+            return [q, k, v], [take_k(o, order)], True
+        except ValueError:  # head size not a multiple of o's block
+            return [q, k, v], [o], False
+    return [q[torch.from_numpy(order)], k, v], [o[:, torch.from_numpy(order)]], True
 
 
 def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:
     """The rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
-    [B, 1, rows·S, key_count] shared by every layer: row j of a request reads cache positions
+    [B, 1, S·rows, key_count] shared by every layer: row j of a request reads cache positions
     0..starts + j (its own key included), never the rest of the buffer. `rows` = the query heads
-    per KV head (at least 2: see `_attention`)."""
+    per KV head (at least 2: see `_attention`), token-major."""
     zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
     S = g.op("Gather", [g.op("Shape", [ids], "ids_shape"), one], "query_len")
     offsets = g.op("Range", [zero, S, one], "query_offsets")  # [S]
@@ -167,22 +194,25 @@ def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int
                                               "positions_col")], "seen")  # [B, S, T]
     mask = g.op("Where", [seen, g.const("zero_f", np.array(0.0, np.float32)),
                           g.const("masked", np.array(MASKED, np.float32))], "mask_rows")  # [B, S, T]
-    mask = g.op("Unsqueeze", [mask, g.const("axis_1b", np.array([1], np.int64))], "mask_4d")  # [B, 1, S, T]
+    mask = g.op("Unsqueeze", [mask, g.const("axis_2", np.array([2], np.int64))], "mask_4d")  # [B, S, 1, T]
     mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, max(group, 2), 1], np.int64))],
-                "mask")  # [B, 1, rows·S, T]
+                "mask_rows_tiled")  # [B, S, rows, T]
+    mask = g.op("Reshape", [mask, g.const("shape_mask", np.array([0, 1, -1, 0], np.int64))],
+                "mask")  # [B, 1, S·rows, T]: row s·rows + r is token s
     return positions, mask
 
 
 def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys: str, mask: str,
-               past: tuple[str, str], present: tuple[str, str]) -> str:
-    """Causal GQA attention of the rotated q [B, S, H·D] over the cache, after writing this
-    call's k, v [B, S, Hkv·D] into it at the rows' positions (in place: `present` is bound to
-    `past`'s memory). Returns [B, S, H·D].
+               past: tuple[str, str], present: tuple[str, str], head_major_o: bool) -> str:
+    """Causal GQA attention of the rotated q [B, S, H·D] (heads in `_head_major` order) over the
+    cache, after writing this call's k, v [B, S, Hkv·D] into it at the rows' positions (in place:
+    `present` is bound to `past`'s memory). Returns [B, S, H·D], heads in `_head_major` order if
+    `head_major_o`, else in the model's order.
 
     Written so that a row's result does not depend on the call's other rows, nor on key_count
     (the runtime rounds it up to a multiple of 16). One `MultiHeadAttention` node per layer,
-    each KV head a "head" of G·S query rows (row g·S + s is query head g, token s):
-    - its q·Kᵀ and p·V are MLAS GEMMs of M = G·S rows, never M = 1 (G = 1 repeats the rows;
+    each KV head a "head" of S·G query rows (row s·G + g is query head g, token s):
+    - its q·Kᵀ and p·V are MLAS GEMMs of M = S·G rows, never M = 1 (G = 1 repeats the rows;
       MLAS has a separate M = 1 kernel that rounds differently), so decoding (S = 1) and
       verifying take the same kernel, and each output sums over the keys in cache order;
     - its softmax runs row by row (max, then one vector accumulator of exp(s − max) whose lane
@@ -200,19 +230,22 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys:
         caches.append(g.op("Slice", [out, w("i0_1", np.array([0], np.int64)), keys, w("axis_2", np.array([2], np.int64))],
                            f"{out}_read"))  # [B, Hkv, T, D]
     key_cache, value_cache = caches
-    # q as Hkv heads of G·S rows each: row g·S + s is query head g of the group, token s
-    q = g.op("Reshape", [q, w("shape_q_groups", np.array([0, 0, Hkv, G, D], np.int64))], f"q_groups_{i}")
-    q = g.op("Transpose", [q], f"q_bgshd_{i}", perm=[0, 3, 1, 2, 4])  # [B, G, S, Hkv, D]
-    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, -1, Hkv * D], np.int64))], f"q_rows_{i}")  # [B, G·S, Hkv·D]
-    if G == 1:
-        q = g.op("Concat", [q, q], f"q_rows2_{i}", axis=1)  # [B, 2S, Hkv·D]
+    # q in head-major order (`_head_major`) as Hkv heads of S·rows query rows: row s·rows + g is
+    # query head g of each KV head's group, token s
+    rows = max(G, 2)
+    if G == 1:  # each row twice: never M = 1
+        q = g.op("Concat", [q, q], f"q_twice_{i}", axis=-1)  # [B, S, 2·Hkv·D]
+    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, -1, Hkv * D], np.int64))], f"q_rows_{i}")  # [B, S·rows, Hkv·D]
     o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", mask], f"attn_rows_{i}", domain=MS,
-             num_heads=Hkv, scale=1.0 / float(np.sqrt(D)))  # [B, rows·S, Hkv·D]
+             num_heads=Hkv, scale=1.0 / float(np.sqrt(D)))  # [B, S·rows, Hkv·D]
     if G == 1:
-        o = g.op("Split", [o], [f"attn_rows1_{i}", f"attn_dup_{i}"], axis=1, num_outputs=2)
-    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, G, -1, Hkv, D], np.int64))], f"attn_groups_{i}")
-    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 2, 3, 1, 4])  # [B, S, Hkv, G, D]
-    return g.op("Reshape", [o, w("shape_attn_out", np.array([0, 0, H * D], np.int64))], f"attn_{i}")
+        o = g.op("Reshape", [o, w("shape_o_twice", np.array([0, -1, 2 * Hkv * D], np.int64))], f"attn_twice_{i}")
+        return g.op("Split", [o], [f"attn_{i}", f"attn_dup_{i}"], axis=-1, num_outputs=2)  # [B, S, H·D]
+    if head_major_o:  # o_proj reads the heads in this order
+        return g.op("Reshape", [o, w("shape_attn_out", np.array([0, -1, H * D], np.int64))], f"attn_{i}")
+    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, -1, G, Hkv, D], np.int64))], f"attn_groups_{i}")
+    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 1, 3, 2, 4])  # [B, S, Hkv, G, D]: heads in order
+    return g.op("Reshape", [o, w("shape_attn_heads", np.array([0, 0, H * D], np.int64))], f"attn_{i}")
 
 
 def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
@@ -243,8 +276,8 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
              "h_0", axis=-1, epsilon=eps)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
-        qkv = _linear(g, h, f"qkv_{i}", model, [f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"],
-                      weights)  # [B, S, (H+2Hkv)D]
+        qkv_parts, o_parts, head_major_o = _attention_weights(model, weights, i)
+        qkv = _linear(g, h, f"qkv_{i}", qkv_parts)  # [B, S, (H+2Hkv)D], q's heads head-major
         g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
         q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -257,19 +290,20 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
             q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}")
         q = g.op("RotaryEmbedding", [q, positions, cos, sin], f"qr_{i}", domain=MS, num_heads=H, interleaved=0)
         k = g.op("RotaryEmbedding", [k, positions, cos, sin], f"kr_{i}", domain=MS, num_heads=Hkv, interleaved=0)
-        o = _attention(g, i, c, q, k, v, starts_in, keys_in, mask, (past[i], past[L + i]), (present[i], present[L + i]))
-        o = _linear(g, o, f"o_{i}", model, [f"layers.{i}.self_attn.o_proj.weight"], weights)
+        o = _attention(g, i, c, q, k, v, starts_in, keys_in, mask, (past[i], past[L + i]), (present[i], present[L + i]),
+                       head_major_o)
+        o = _linear(g, o, f"o_{i}", o_parts)
         h = g.op("SkipSimplifiedLayerNormalization",
                  [o, resid, g.weight(f"norm_post_{i}", layer.post_attention_layernorm.weight)],
                  [f"hp_{i}", "", "", f"resid_attn_{i}"], domain=MS, epsilon=eps)
         resid = f"resid_attn_{i}"  # residual stream after attention
-        gu = _linear(g, h, f"gu_{i}", model, [f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up")],
-                     weights)  # [B, S, 2I]
+        gu = _linear(g, h, f"gu_{i}", _params(model, weights, [f"layers.{i}.mlp.{p}_proj.weight"
+                                                                 for p in ("gate", "up")]))  # [B, S, 2I]
         g.op("Split", [gu], [f"gate_{i}", f"up_{i}"], axis=-1, num_outputs=2)
         gate, up = f"gate_{i}", f"up_{i}"
         act = g.op("QuickGelu", [gate], f"silu_{i}", domain=MS, alpha=1.0)  # x·sigmoid(x)
-        m = _linear(g, g.op("Mul", [act, up], f"act_{i}"), f"mlp_{i}", model, [f"layers.{i}.mlp.down_proj.weight"],
-                    weights)
+        m = _linear(g, g.op("Mul", [act, up], f"act_{i}"), f"mlp_{i}",
+                    _params(model, weights, [f"layers.{i}.mlp.down_proj.weight"]))
         next_norm = model.layers[i + 1].input_layernorm.weight if i + 1 < L else model.norm.weight
         h = g.op("SkipSimplifiedLayerNormalization", [m, resid, g.weight(f"norm_next_{i}", next_norm)],
                  [f"h_{i + 1}", "", "", f"resid_{i + 1}"], domain=MS, epsilon=eps)

@@ -38,6 +38,8 @@ def resolve(precision: str, source: Path) -> str:
     if precision == "auto":
         return "gguf" if source.suffix == ".gguf" else "fp32"
     return precision
+
+
 RTN_BLOCK = 64
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")

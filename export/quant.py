@@ -101,6 +101,16 @@ def take_n(w: BlockWeight, index: np.ndarray) -> BlockWeight:
                        None if w.offsets is None else w.offsets[:, index])
 
 
+def take_k(w: BlockWeight, index: np.ndarray) -> BlockWeight:
+    """The rows `index` of W (a permutation of input features) that moves whole blocks: each run of
+    `block` indices is one block's, in order (else ValueError)."""
+    runs = np.asarray(index).reshape(-1, w.block)
+    if len(index) != w.k or w.k % w.block or (runs != runs[:, :1] + np.arange(w.block)).any() or (runs[:, 0] % w.block).any():
+        raise ValueError(f"the permutation does not move whole blocks of {w.block}")
+    b = runs[:, 0] // w.block
+    return BlockWeight(w.q[:, b], w.scales[:, b], w.bits, w.block, w.k, None if w.offsets is None else w.offsets[b])
+
+
 GGUF_BLOCK = 32  # Q4_1 and Q8_0
 
 
