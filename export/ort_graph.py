@@ -176,7 +176,8 @@ def _attention_weights(model: TargetModel, weights: dict[str, BlockWeight], i: i
             return [q, k, v], [take_k(o, order)], True
         except ValueError:  # head size not a multiple of o's block
             return [q, k, v], [o], False
-    return [q[torch.from_numpy(order)], k, v], [o[:, torch.from_numpy(order)]], True
+    index = torch.from_numpy(order)
+    return [q[index], k, v], [o[:, index]], True
 
 
 def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:

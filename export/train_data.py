@@ -52,6 +52,11 @@ def prompt_key(prompt: Prompt, temperature: float) -> str:
 # --- 2. Responses -----------------------------------------------------------------------------------
 
 
+def response_seed(seed: int, key: str) -> int:
+    """The random seed of the response with key `key` in a run seeded by `seed`."""
+    return int(hashlib.sha256((str(seed) + key).encode()).hexdigest()[:8], 16)
+
+
 def load_generator(path: str | Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(transformers model, tokenizer) for generation: a .gguf file or a Hugging Face directory
     (None = the default SmolLM2 GGUF). The tokenizer pads on the left."""
@@ -213,7 +218,7 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
                 if not group:
                     continue
                 keys = [prompt_key(p, t) for p, t in group]
-                seeds = [int(hashlib.sha256((str(cfg.seed) + k).encode()).hexdigest()[:8], 16) for k in keys]
+                seeds = [response_seed(cfg.seed, k) for k in keys]
                 answers = responder.answer([encoded[p] for p, _ in group], group[0][1], seeds, cfg.max_new_tokens)
                 if f is None or in_shard >= cfg.shard_records:
                     if f is not None:

@@ -241,8 +241,11 @@ def chi_square_pvalue(p: np.ndarray, counts: np.ndarray) -> float:
     return float(stats.chi2.sf(stat, len(groups) - 1))
 
 
-def sample_histogram(models, scheduler, n: int) -> tuple[np.ndarray, set[int]]:
-    backend = TorchBackend(*models, max_seq=32)
+def reference(models) -> TorchBackend:
+    return TorchBackend(*models, max_seq=32)
+
+
+def sample_histogram(backend, scheduler, n: int) -> tuple[np.ndarray, set[int]]:
     counts = np.zeros((V,) * K)
     lengths: set[int] = set()
     for seed in range(n):
@@ -322,7 +325,7 @@ def replay(tables: Tables, seed: int, scheduler) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("sched", list(SCHEDULERS))
 def test_generate_follows_the_rng_protocol(models, tables, sched):
-    backend = TorchBackend(*models, max_seq=32)
+    backend = reference(models)
     for seed in range(40):
         g = generate(backend, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed),
                      SCHEDULERS[sched])
@@ -345,7 +348,7 @@ def test_sample_size_has_power(tables, sched):
 
 @pytest.mark.parametrize("sched", list(SCHEDULERS))
 def test_generate_matches_the_target_distribution(models, tables, sched):
-    counts, lengths = sample_histogram(models, SCHEDULERS[sched], N_SAMPLES[sched])
+    counts, lengths = sample_histogram(reference(models), SCHEDULERS[sched], N_SAMPLES[sched])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: the output is not the target's distribution"
     if sched == "threshold":
@@ -360,7 +363,7 @@ def test_chi_square_rejects_a_broken_rule(models, tables, broken, monkeypatch):
     accept, resid = BROKEN[broken]
     monkeypatch.setattr(sampling, "accept_probabilities", accept)
     monkeypatch.setattr(sampling, "residual", resid)
-    counts, _ = sample_histogram(models, SCHEDULERS["fixed"], N_SAMPLES["fixed"])
+    counts, _ = sample_histogram(reference(models), SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue < ALPHA, f"{broken}: chi-square p = {pvalue:.2e}, the broken rule went unnoticed"
 
@@ -413,7 +416,7 @@ def test_quantized_target_distribution(precision, tmp_path):
     dequantize_into(target, target_weights(target, tmp_path, precision))
     assert not torch.equal(before, target.layers[0].mlp.down_proj.weight)
     tables = Tables(target, drafter)
-    counts, _ = sample_histogram((target, drafter), SCHEDULERS["fixed"], N_SAMPLES["fixed"])
+    counts, _ = sample_histogram(reference((target, drafter)), SCHEDULERS["fixed"], N_SAMPLES["fixed"])
     pvalue = chi_square_pvalue(target_joint(tables), counts)
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} at {precision}: not the target's distribution"
 
@@ -450,22 +453,19 @@ def write_five_token_pair(root) -> tuple:
     return target_dir, drafter_dir
 
 
-def graph_joint(backend) -> np.ndarray:
-    """The exported target's own joint of the first K tokens after PROMPT (T = 1), each
-    next-token distribution from one prefill of the prefix: the graph scores a row with the
-    same bits in any call (test_ort_runtime.py), so these are the numbers generation sees."""
-    p_t = {}
+class GraphTables:
+    """The exported target's next-token distributions (T = 1, float64) after PROMPT + gen, for
+    `target_joint`, each from one prefill of the prefix: the graph scores a row with the same bits
+    in any call (test_ort_runtime.py), so these are the numbers generation sees."""
 
-    def dist(gen: tuple) -> np.ndarray:
-        if gen not in p_t:
-            logits, _ = backend.prefill(0, np.asarray(PROMPT + list(gen), np.int64), ingest=False)
-            p_t[gen] = softmax(logits.astype(np.float64), 1.0)
-        return p_t[gen]
+    def __init__(self, backend):
+        self.backend, self._pt = backend, {}
 
-    joint = np.zeros((V,) * K)
-    for cell in itertools.product(range(V), repeat=K):
-        joint[cell] = np.prod([dist(cell[:i])[cell[i]] for i in range(K)])
-    return joint
+    def p_t(self, gen: tuple) -> np.ndarray:
+        if gen not in self._pt:
+            logits, _ = self.backend.prefill(0, np.asarray(PROMPT + list(gen), np.int64), ingest=False)
+            self._pt[gen] = softmax(logits.astype(np.float64), 1.0)
+        return self._pt[gen]
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
@@ -485,23 +485,14 @@ def exported_quantized(request, tmp_path_factory):
                       precision=request.param)
     engine = Engine.load(root / "bundle", max_seq=32)
     assert engine.manifest.precision == request.param
-    return engine.backend, graph_joint(engine.backend)
-
-
-def graph_histogram(backend, n: int) -> np.ndarray:
-    counts = np.zeros((V,) * K)
-    for seed in range(n):
-        g = generate(backend, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed),
-                     SCHEDULERS["fixed"])
-        counts[tuple(g.token_ids[:K])] += 1
-    return counts
+    return engine.backend, target_joint(GraphTables(engine.backend))
 
 
 def test_exported_quantized_graph_distribution(exported_quantized):
     """Sampled DSpark on the exported int8/int4 engine draws the first K tokens from that
     graph's own distribution decoding alone (its int8 activations included)."""
     backend, joint = exported_quantized
-    pvalue = chi_square_pvalue(joint, graph_histogram(backend, N_GRAPH))
+    pvalue = chi_square_pvalue(joint, sample_histogram(backend, SCHEDULERS["fixed"], N_GRAPH)[0])
     assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e}: not the exported graph's distribution"
 
 
@@ -509,5 +500,5 @@ def test_exported_quantized_graph_test_has_power(exported_quantized, monkeypatch
     """The same check rejects a broken residual on this engine, so the test above can fail."""
     backend, joint = exported_quantized
     monkeypatch.setattr(sampling, "residual", residual_is_target)
-    pvalue = chi_square_pvalue(joint, graph_histogram(backend, N_GRAPH))
+    pvalue = chi_square_pvalue(joint, sample_histogram(backend, SCHEDULERS["fixed"], N_GRAPH)[0])
     assert pvalue < ALPHA, f"residual=p_t: chi-square p = {pvalue:.2e}, the broken rule went unnoticed"

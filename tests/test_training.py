@@ -16,7 +16,7 @@ from dspark.export import DraftSession, load_drafter, load_target, save_drafter
 from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache, GenerationConfig,
                                       EngineResponder, OnTheFlySource, Prompt, TransformersResponder, cache_features,
                                       first_question, generate_responses,
-                                      load_generator, load_train_prompts, read_prompts, read_responses,
+                                      load_generator, load_train_prompts, read_prompts, read_responses, response_seed,
                                       synthesize_prompts, target_states)
 from dspark.export.training import (BatchPlan, architecture_of, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
                                     build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
@@ -489,20 +489,13 @@ def test_responses_through_the_engine(tiny_bundle, tmp_path):
     alone = Engine.load(tiny_bundle.path, max_seq=256)
     for r in read_responses(tmp_path / "resp"):
         assert r["prompt_ids"] == alone.encode(r["prompt"])
-        seed = responder_seed(gcfg, r["key"])
+        seed = response_seed(gcfg.seed, r["key"])
         solo = alone.generate(r["prompt"], max_new_tokens=12, temperature=r["temperature"], seed=seed,
                               scheduler="none" if r["temperature"] == 0 else "fixed")  # a seed's draws follow its scheduler
         assert r["response_ids"] == solo.token_ids, r["prompt"]
         assert r["finished"] == (solo.finish_reason == "stop")
         if r["finished"]:
             assert r["response_ids"][-1] in alone.manifest.stop_token_ids
-
-
-def responder_seed(cfg: GenerationConfig, key: str) -> int:
-    """The seed generate_responses gives the request of `key`."""
-    import hashlib
-
-    return int(hashlib.sha256((str(cfg.seed) + key).encode()).hexdigest()[:8], 16)
 
 
 def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):

@@ -97,16 +97,18 @@ def compare(name: str, ref: np.ndarray, got: np.ndarray, atol: float, rtol: floa
     return Comparison(name, max_abs, bool(result[name]), "polygraphy")
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
 def compare_logits(name: str, ref: np.ndarray, got: np.ndarray, bound: QuantizedBound) -> Comparison:
     """Logits [..., V] as distributions: mean KL(ref || got) over rows within the bound."""
-    ref, got = ref.astype(np.float64), got.astype(np.float64)
-    log_p = ref - ref.max(-1, keepdims=True)
-    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
-    log_q = got - got.max(-1, keepdims=True)
-    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    log_p, log_q = log_softmax(ref), log_softmax(got)
     kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
-    return Comparison(f"{name} (mean KL {kl:.3g}, top-1 agreement {top1:.2f})", float(np.abs(got - ref).max()),
+    diff = float(np.abs(got.astype(np.float64) - ref).max())
+    return Comparison(f"{name} (mean KL {kl:.3g}, top-1 agreement {top1:.2f})", diff,
                       kl <= bound.mean_kl, "distribution")
 
 
@@ -156,13 +158,13 @@ def validate(reference: Backend, candidate: Backend, prompts: Sequence[Sequence[
     (lr, fr), (lc, fc) = reference.target(block, zero + n), candidate.target(block, zero + n)
     check("verify logits", lr, lc)
     check("verify features", fr, fc)
+    if quantized is not None:
+        v.near_tie = max(NEAR_TIE, largest)
     params = SamplingParams(0.0, max_new_tokens, seed, stop_token_ids=stop_token_ids)
     for prompt in prompts:
         ref = generate(reference, prompt, params, FixedLength()).token_ids
         got = generate(candidate, prompt, params, FixedLength()).token_ids
         (logits,), _ = reference.target(np.asarray([*prompt, *ref[:-1]], np.int64)[None], zero)
-        if quantized is not None:
-            v.near_tie = max(NEAR_TIE, largest)
         v.greedy.append(greedy_match(ref, got, logits[len(prompt) - 1:], v.near_tie))  # row n-1+i produced ref[i]
     return v
 
