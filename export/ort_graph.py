@@ -24,6 +24,7 @@ outputs: logits [B, K, V], features [B, S, m*d], present_key_i / present_value_i
          (the same buffers as past_*, bound by the runtime); names from graph_io"""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +76,11 @@ class Builder:
 
 
 def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: int = ACCURACY_LEVEL) -> str:
-    """x [..., K] · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points: onnxruntime
+    """x [M, K] · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points: onnxruntime
     #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF Q4_1's
-    minimum, kept exactly). The sums are one GEMM by the 0/1 matrix of block membership, one
-    node where Reshape + ReduceSum were two."""
+    minimum, kept exactly). The sums are one GEMM by the 0/1 matrix of block membership, and the
+    minimum term is a `Gemm` whose C is the symmetric product: two nodes where Reshape +
+    ReduceSum, MatMul and Add were four."""
     K, N = w.shape
     y = g.op("MatMulNBits", [x, g.const(f"{name}.q", w.q), g.const(f"{name}.scales", w.scales)],
              name if w.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=w.bits, block_size=w.block,
@@ -86,8 +88,8 @@ def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: 
     if w.offsets is None:
         return y
     members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
-    sums = g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{name}_sums")  # [..., K/block]
-    return g.op("Add", [y, g.op("MatMul", [sums, g.weight(f"{name}.offsets", w.offsets)], f"{name}_min")], name)
+    sums = g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{name}_sums")  # [M, K/block]
+    return g.op("Gemm", [sums, g.weight(f"{name}.offsets", w.offsets), y], name)  # sums · offsets + y
 
 
 def block_gather(g: Builder, ids: str, w: BlockWeight, name: str, out: str) -> str:
@@ -180,35 +182,57 @@ def _attention_weights(model: TargetModel, weights: dict[str, BlockWeight], i: i
     return [q[index], k, v], [o[:, index]], True
 
 
-def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:
-    """The rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
-    [B, 1, S·rows, key_count] shared by every layer: row j of a request reads cache positions
-    0..starts + j (its own key included), never the rest of the buffer. `rows` = the query heads
-    per KV head (at least 2: see `_attention`), token-major."""
+@dataclass
+class Shapes:
+    """The per-call tensors every layer shares (`_call_shapes`)."""
+    positions: str  # [B, S] int64: starts + 0..S-1
+    row_positions: str  # [B, S·rows] int64: each token's position, once per query row (`_attention`)
+    mask: str  # [B, 1, S·rows, key_count] additive attention bias
+    kv_heads: str  # [4] int64: the shape [B, S, Hkv, D]
+    q_rows: str  # [3] int64: the shape [B, S·rows, Hkv·D]
+
+
+def _call_shapes(g: Builder, ids: str, starts: str, keys: str, c) -> Shapes:
+    """Positions, the query rows' positions and the attention mask shared by every layer: row j
+    of a request reads cache positions 0..starts + j (its own key included), never the rest of
+    the buffer. `rows` = the query heads per KV head (at least 2: see `_attention`),
+    token-major: query row s·rows + r is token s."""
+    Hkv, D = c.num_kv_heads, c.head_dim
+    rows = max(c.num_heads // Hkv, 2)
     zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
-    S = g.op("Gather", [g.op("Shape", [ids], "ids_shape"), one], "query_len")
+    axis_end = g.const("axis_end", np.array([-1], np.int64))
+    ids_shape = g.op("Shape", [ids], "ids_shape")  # [B, S]
+    S = g.op("Gather", [ids_shape, one], "query_len")
     offsets = g.op("Range", [zero, S, one], "query_offsets")  # [S]
     positions = g.op("Add", [g.op("Unsqueeze", [starts, g.const("axis_1", np.array([1], np.int64))], "starts_col"),
                              offsets], "positions")  # [B, S]
+    positions_col = g.op("Unsqueeze", [positions, axis_end], "positions_col")  # [B, S, 1]
+    reps = g.const("row_reps", np.array([1, 1, rows], np.int64))
+    row_positions = g.op("Reshape", [g.op("Tile", [positions_col, reps], "positions_rows3"),
+                                     g.const("shape_rows2", np.array([0, -1], np.int64))], "row_positions")
     key_pos = g.op("Range", [zero, g.op("Squeeze", [keys], "key_count_scalar"), one], "key_positions")  # [T]
-    seen = g.op("LessOrEqual", [key_pos, g.op("Unsqueeze", [positions, g.const("axis_end", np.array([-1], np.int64))],
-                                              "positions_col")], "seen")  # [B, S, T]
+    seen = g.op("LessOrEqual", [key_pos, positions_col], "seen")  # [B, S, T]
     mask = g.op("Where", [seen, g.const("zero_f", np.array(0.0, np.float32)),
                           g.const("masked", np.array(MASKED, np.float32))], "mask_rows")  # [B, S, T]
     mask = g.op("Unsqueeze", [mask, g.const("axis_2", np.array([2], np.int64))], "mask_4d")  # [B, S, 1, T]
-    mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, max(group, 2), 1], np.int64))],
+    mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, rows, 1], np.int64))],
                 "mask_rows_tiled")  # [B, S, rows, T]
     mask = g.op("Reshape", [mask, g.const("shape_mask", np.array([0, 1, -1, 0], np.int64))],
-                "mask")  # [B, 1, S·rows, T]: row s·rows + r is token s
-    return positions, mask
+                "mask")  # [B, 1, S·rows, T]
+    kv_heads = g.op("Concat", [ids_shape, g.const("kv_head_dims", np.array([Hkv, D], np.int64))], "kv_heads_shape",
+                    axis=0)
+    batch = g.op("Slice", [ids_shape, g.const("i0_1", np.array([0], np.int64)), g.const("i1_1", np.array([1], np.int64))],
+                 "batch_dim")
+    q_rows = g.op("Concat", [batch, g.const("q_row_dims", np.array([-1, Hkv * D], np.int64))], "q_rows_shape", axis=0)
+    return Shapes(positions, row_positions, mask, kv_heads, q_rows)
 
 
-def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys: str, mask: str,
-               past: tuple[str, str], present: tuple[str, str], head_major_o: bool) -> str:
-    """Causal GQA attention of the rotated q [B, S, H·D] (heads in `_head_major` order) over the
-    cache, after writing this call's k, v [B, S, Hkv·D] into it at the rows' positions (in place:
-    `present` is bound to `past`'s memory). Returns [B, S, H·D], heads in `_head_major` order if
-    `head_major_o`, else in the model's order.
+def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, str], shapes: Shapes, starts: str,
+               keys: str, past: tuple[str, str], present: tuple[str, str], head_major_o: bool) -> str:
+    """Causal GQA attention of q [B·S, H·D] (heads in `_head_major` order) over the cache, after
+    rotating q and k and writing this call's k, v [B·S, Hkv·D] into the cache at the rows'
+    positions (in place: `present` is bound to `past`'s memory). Returns [B·S, H·D], heads in
+    `_head_major` order if `head_major_o`, else in the model's order.
 
     Written so that a row's result does not depend on the call's other rows, nor on key_count
     (the runtime rounds it up to a multiple of 16). One `MultiHeadAttention` node per layer,
@@ -219,40 +243,46 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, starts: str, keys:
     - its softmax runs row by row (max, then one vector accumulator of exp(s − max) whose lane
       j mod width adds the keys in order), so keys past a row's position, masked by the
       attention bias, add at most exp(−88) each, far below the last bit of a sum that holds
-      exp(0) = 1."""
+      exp(0) = 1.
+    `RotaryEmbedding` rotates k as [B, Hkv, S, D] and q as those rows, each with its token's
+    position: the same bits as rotating [B, S, heads·D] (an elementwise map per head)."""
     H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     G = H // Hkv
     w = g.const
-    to_heads = w("shape_kv_heads", np.array([0, 0, Hkv, D], np.int64))
+    cos, sin = rope
     caches = []
-    for x, buf, out in ((k, past[0], present[0]), (v, past[1], present[1])):
-        x = g.op("Transpose", [g.op("Reshape", [x, to_heads], f"{x}_heads")], f"{x}_bhsd", perm=[0, 2, 1, 3])
+    for x, rotate, buf, out in ((k, True, past[0], present[0]), (v, False, past[1], present[1])):
+        x = g.op("Transpose", [g.op("Reshape", [x, shapes.kv_heads], f"{x}_heads")], f"{x}_bhsd", perm=[0, 2, 1, 3])
+        if rotate:
+            x = g.op("RotaryEmbedding", [x, shapes.positions, cos, sin], f"kr_{i}", domain=MS, interleaved=0)
         g.op("TensorScatter", [buf, x, starts], out, axis=-2)  # [B, Hkv, S_max, D], rows starts..starts+S-1
         caches.append(g.op("Slice", [out, w("i0_1", np.array([0], np.int64)), keys, w("axis_2", np.array([2], np.int64))],
                            f"{out}_read"))  # [B, Hkv, T, D]
     key_cache, value_cache = caches
     # q in head-major order (`_head_major`) as Hkv heads of S·rows query rows: row s·rows + g is
     # query head g of each KV head's group, token s
-    rows = max(G, 2)
     if G == 1:  # each row twice: never M = 1
-        q = g.op("Concat", [q, q], f"q_twice_{i}", axis=-1)  # [B, S, 2·Hkv·D]
-    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, -1, Hkv * D], np.int64))], f"q_rows_{i}")  # [B, S·rows, Hkv·D]
-    o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", mask], f"attn_rows_{i}", domain=MS,
+        q = g.op("Concat", [q, q], f"q_twice_{i}", axis=-1)  # [B·S, 2·Hkv·D]
+    q = g.op("Reshape", [q, shapes.q_rows], f"q_rows_{i}")  # [B, S·rows, Hkv·D]
+    q = g.op("RotaryEmbedding", [q, shapes.row_positions, cos, sin], f"qr_{i}", domain=MS, num_heads=Hkv,
+             interleaved=0)
+    o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", shapes.mask], f"attn_rows_{i}", domain=MS,
              num_heads=Hkv, scale=1.0 / float(np.sqrt(D)))  # [B, S·rows, Hkv·D]
     if G == 1:
-        o = g.op("Reshape", [o, w("shape_o_twice", np.array([0, -1, 2 * Hkv * D], np.int64))], f"attn_twice_{i}")
-        return g.op("Split", [o], [f"attn_{i}", f"attn_dup_{i}"], axis=-1, num_outputs=2)  # [B, S, H·D]
+        o = g.op("Reshape", [o, w("shape_o_twice", np.array([-1, 2 * Hkv * D], np.int64))], f"attn_twice_{i}")
+        return g.op("Split", [o], [f"attn_{i}", f"attn_dup_{i}"], axis=-1, num_outputs=2)  # [B·S, H·D]
     if head_major_o:  # o_proj reads the heads in this order
-        return g.op("Reshape", [o, w("shape_attn_out", np.array([0, -1, H * D], np.int64))], f"attn_{i}")
-    o = g.op("Reshape", [o, w("shape_o_groups", np.array([0, -1, G, Hkv, D], np.int64))], f"attn_groups_{i}")
-    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 1, 3, 2, 4])  # [B, S, Hkv, G, D]: heads in order
-    return g.op("Reshape", [o, w("shape_attn_heads", np.array([0, 0, H * D], np.int64))], f"attn_{i}")
+        return g.op("Reshape", [o, w("shape_attn_out", np.array([-1, H * D], np.int64))], f"attn_{i}")
+    o = g.op("Reshape", [o, w("shape_o_groups", np.array([-1, G, Hkv, D], np.int64))], f"attn_groups_{i}")
+    o = g.op("Transpose", [o], f"attn_bshgd_{i}", perm=[0, 2, 1, 3])  # [B·S, Hkv, G, D]: heads in order
+    return g.op("Reshape", [o, w("shape_attn_heads", np.array([-1, H * D], np.int64))], f"attn_{i}")
 
 
 def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                      weights: dict[str, BlockWeight] | None = None) -> onnx.ModelProto:
     """weights: the quantized linear weights by parameter name (precision.py); the others, and
-    the embedding, are the model's own (fp32)."""
+    the embedding, are the model's own (fp32). The hidden stream is 2-D, [B·S, d], so that
+    every linear is one matrix product of B·S rows (and GGUF's minimum term a `Gemm`)."""
     weights = weights or {}
     c = model.cfg
     L, H, Hkv, D, eps = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
@@ -263,22 +293,24 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     shared_head = c.tie_word_embeddings and head is not None  # the embedding is gathered from the head's blocks
     embed = None if shared_head else g.weight("embed_tokens", model.embed_tokens.weight)
     cos, sin = rope_cos_sin(torch.arange(c.max_position_embeddings)[None], D, c.rope_theta)  # [1, max_pos, 1, D]
-    cos, sin = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
+    rope = g.weight("cos_cache", cos[0, :, 0, :D // 2]), g.weight("sin_cache", sin[0, :, 0, :D // 2])
     splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
+    flat = g.const("shape_2d", np.array([-1, c.hidden_size], np.int64))
     if c.qk_norm:
-        shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
-        shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
-        shape_flat = g.const("shape_flat", np.array([0, 0, -1], np.int64))
-    positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
-    resid = (block_gather(g, ids_in, head, "logits_flat", "resid_0") if shared_head
-             else g.op("Gather", [embed, ids_in], "resid_0"))  # [B, S, d]
+        shape_q = g.weight("shape_heads_q", np.array([0, H, D], np.int64))
+        shape_k = g.weight("shape_heads_k", np.array([0, Hkv, D], np.int64))
+        shape_flat = g.const("shape_heads_flat", np.array([0, -1], np.int64))
+    shapes = _call_shapes(g, ids_in, starts_in, keys_in, c)
+    embedded = (block_gather(g, ids_in, head, "logits_flat", "embedded") if shared_head
+                else g.op("Gather", [embed, ids_in], "embedded"))  # [B, S, d]
+    resid = g.op("Reshape", [embedded, flat], "resid_0")  # [B·S, d]
     feats = [resid] if -1 in feature_layer_ids else []
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
              "h_0", axis=-1, epsilon=eps)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         qkv_parts, o_parts, head_major_o = _attention_weights(model, weights, i)
-        qkv = _linear(g, h, f"qkv_{i}", qkv_parts)  # [B, S, (H+2Hkv)D], q's heads head-major
+        qkv = _linear(g, h, f"qkv_{i}", qkv_parts)  # [B·S, (H+2Hkv)D], q's heads head-major
         g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
         q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -288,18 +320,16 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                      axis=-1, epsilon=eps)
             k = g.op("SimplifiedLayerNormalization", [k, g.weight(f"k_norm_{i}", a.k_norm.weight)], f"kn_{i}",
                      axis=-1, epsilon=eps)
-            q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}")
-        q = g.op("RotaryEmbedding", [q, positions, cos, sin], f"qr_{i}", domain=MS, num_heads=H, interleaved=0)
-        k = g.op("RotaryEmbedding", [k, positions, cos, sin], f"kr_{i}", domain=MS, num_heads=Hkv, interleaved=0)
-        o = _attention(g, i, c, q, k, v, starts_in, keys_in, mask, (past[i], past[L + i]), (present[i], present[L + i]),
-                       head_major_o)
+            q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"k_{i}_normed")
+        o = _attention(g, i, c, q, k, v, rope, shapes, starts_in, keys_in, (past[i], past[L + i]),
+                       (present[i], present[L + i]), head_major_o)
         o = _linear(g, o, f"o_{i}", o_parts)
         h = g.op("SkipSimplifiedLayerNormalization",
                  [o, resid, g.weight(f"norm_post_{i}", layer.post_attention_layernorm.weight)],
                  [f"hp_{i}", "", "", f"resid_attn_{i}"], domain=MS, epsilon=eps)
         resid = f"resid_attn_{i}"  # residual stream after attention
         gu = _linear(g, h, f"gu_{i}", _params(model, weights, [f"layers.{i}.mlp.{p}_proj.weight"
-                                                                 for p in ("gate", "up")]))  # [B, S, 2I]
+                                                                 for p in ("gate", "up")]))  # [B·S, 2I]
         g.op("Split", [gu], [f"gate_{i}", f"up_{i}"], axis=-1, num_outputs=2)
         gate, up = f"gate_{i}", f"up_{i}"
         act = g.op("QuickGelu", [gate], f"silu_{i}", domain=MS, alpha=1.0)  # x·sigmoid(x)
@@ -311,19 +341,25 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
         resid = f"resid_{i + 1}"  # the output of layer i
         if i in feature_layer_ids:
             feats.append(resid)
-    features = g.op("Concat", feats, features_out, axis=-1) if feats else g.op("Identity", [resid], features_out)
+    features = g.op("Concat", feats, "features_2d", axis=-1) if feats else resid  # [B·S, m·d]
+    g.op("Reshape", [features, g.op("Concat", [g.op("Shape", [ids_in], "ids_shape_f"), g.const("i_neg1", np.array([-1], np.int64))],
+                                    "features_shape", axis=0)], features_out)  # [B, S, m·d]
     d = c.hidden_size
-    idx = g.op("Unsqueeze", [index_in, g.weight("axis_last", np.array([-1], np.int64))], "idx3")
-    idx = g.op("Expand", [idx, g.op("Concat", [g.op("Shape", [index_in], "idx_shape"),
-                                               g.weight("hidden", np.array([d], np.int64))], "idx_full", axis=0)],
-               "idx_exp")
-    rows = g.op("GatherElements", [h, idx], "rows", axis=1)  # [B, K, d]
-    flat = g.op("Reshape", [rows, g.weight("shape_rows", np.array([-1, d], np.int64))], "rows_flat")
+    # logit rows: row logit_index[b, j] of request b is row b·S + logit_index[b, j] of the stream
+    S = g.op("Gather", [g.op("Shape", [ids_in], "ids_shape_l"), g.const("i1", np.array(1, np.int64))], "query_len_l")
+    base = g.op("Mul", [g.op("Range", [g.const("i0", np.array(0, np.int64)),
+                                       g.op("Gather", [g.op("Shape", [index_in], "idx_shape"), g.const("i0", np.array(0, np.int64))],
+                                            "batch_l"),
+                                       g.const("i1", np.array(1, np.int64))], "batch_range"), S], "row_base")  # [B]
+    idx = g.op("Add", [index_in, g.op("Unsqueeze", [base, g.const("axis_1", np.array([1], np.int64))], "row_base_col")],
+               "rows_index")  # [B, K]
+    rows = g.op("Gather", [h, g.op("Reshape", [idx, g.const("shape_1d", np.array([-1], np.int64))], "rows_index_flat")],
+                "rows_flat", axis=0)  # [B·K, d]
     if head is not None:
-        logits = block_matmul(g, flat, head, "logits_flat")  # [B*K, V]
+        logits = block_matmul(g, rows, head, "logits_flat")  # [B*K, V]
     else:
         lm = embed if c.tie_word_embeddings else g.weight("lm_head", model.lm_head.weight)
-        logits = g.op("Gemm", [flat, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
+        logits = g.op("Gemm", [rows, lm], "logits_flat", transB=1)  # [B*K, V]; the tied embedding, not a copy
     out_shape = g.op("Concat", [g.op("Shape", [index_in], "k_shape"),
                                 g.weight("vocab", np.array([c.vocab_size], np.int64))], "logits_shape", axis=0)
     g.op("Reshape", [logits, out_shape], logits_out)
@@ -334,7 +370,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
               helper.make_tensor_value_info(keys_in, TP.INT64, [1]),
               *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in past]]
     outputs = [helper.make_tensor_value_info(logits_out, TP.FLOAT, ["batch", "rows", c.vocab_size]),
-               helper.make_tensor_value_info(features_out, TP.FLOAT, ["batch", "query", None]),
+               helper.make_tensor_value_info(features_out, TP.FLOAT, ["batch", "query", max(len(feats), 1) * d]),
                *[helper.make_tensor_value_info(n, TP.FLOAT, ["batch", Hkv, "max_seq", D]) for n in present]]
     graph = helper.make_graph(g.nodes, "dspark_target_ort", inputs, outputs, g.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24), helper.make_opsetid(MS, 1)],
