@@ -51,18 +51,22 @@ class MarkovHead(nn.Module):
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * r + d, 3 * r)
 
-    def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [B, d], prev [B], state [B, r] (RNN only) -> bias [B, V], new state."""
+    def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor,
+             w2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, d], prev [B], state [B, r] (RNN only) -> bias [B, V], new state. w2 [K, r]: the
+        output projection's rows to use instead of markov_w2 (training over a draft vocabulary
+        with gradients to those rows) -> bias [B, K]."""
+        out_proj = self.markov_w2 if w2 is None else (lambda x: nn.functional.linear(x, w2))
         e = self.markov_w1(prev)  # [B, r]
         if self.kind == "vanilla":
-            return self.markov_w2(e), state
+            return out_proj(e), state
         if self.kind == "gated":
             g = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1)))
-            return self.markov_w2(g * e), state
+            return out_proj(g * e), state
         gate, cand, out = self.joint_proj(torch.cat([state, e, h], dim=-1)).chunk(3, dim=-1)
         s = torch.sigmoid(gate)
         state = s * state + (1 - s) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), state
+        return out_proj(torch.tanh(out)), state
 
 
 class ConfidenceHead(nn.Module):
@@ -139,7 +143,8 @@ class Drafter(nn.Module):
 
     def sequential(self, h: torch.Tensor, base: torch.Tensor, anchor: torch.Tensor,
                    temperature: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
-                   prev: torch.Tensor | None = None, probs: bool = True) -> SequentialOut:
+                   prev: torch.Tensor | None = None, probs: bool = True,
+                   rows: torch.Tensor | None = None) -> SequentialOut:
         """The γ left-to-right steps (dspark.md §3–4) over h [B, γ, d] and the base logits
         base [B, γ, K] = lm_head(h): slot k's logits are z_k = U_k + B(prev_k, ·).
 
@@ -148,8 +153,15 @@ class Drafter(nn.Module):
         of softmax(z_k / T) at uniforms [B, γ]. Teacher forcing: prev [B, γ] given (the anchor,
         then the ground truth), nothing drawn. With a draft vocabulary (`restrict_vocab`) indices
         into the K logits are mapped to vocabulary ids. probs: also the draft distributions p_d
-        [B, γ, V] (one-hot where greedy; zero outside the draft vocabulary)."""
+        [B, γ, V] (one-hot where greedy; zero outside the draft vocabulary).
+
+        rows [K]: a draft vocabulary (sorted ids) for a drafter that was not cut down
+        (training with `TrainConfig.draft_vocab`): base holds the K ids' logits, the Markov bias
+        uses those rows of markov_w2 (gradients flow to them), and indices map to these ids, as
+        `restrict_vocab` makes the exported graph do."""
         B, gamma, K = base.shape
+        vocab = self.vocab if rows is None else rows
+        w2 = None if rows is None or self.markov_head is None else self.markov_head.markov_w2.weight[rows]  # [K, r]
         if temperature is not None:
             greedy = temperature <= 0  # [B]
             inv_t = 1.0 / torch.where(greedy, torch.ones_like(temperature), temperature)
@@ -161,7 +173,7 @@ class Drafter(nn.Module):
             if prev is not None:
                 before = prev[:, k]
             if self.markov_head is not None:
-                bias, state = self.markov_head.step(h[:, k], before, state)  # [B, K]
+                bias, state = self.markov_head.step(h[:, k], before, state, w2)  # [B, K]
                 biases.append(bias)
             if prev is not None and not probs:
                 continue  # teacher forcing for a loss: the logits are all it needs
@@ -174,11 +186,11 @@ class Drafter(nn.Module):
                     idx = torch.where(greedy, top, inverse_cdf(soft, uniforms[:, k]))
                 p = torch.where(greedy[:, None], p, soft)
             if prev is None:
-                before = idx if self.vocab is None else self.vocab[idx]  # [B] vocabulary ids
+                before = idx if vocab is None else vocab[idx]  # [B] vocabulary ids
                 tokens.append(before)
             if probs:  # [B, K] -> [B, V], zero outside the draft vocabulary
-                dists.append(p if self.vocab is None else
-                             p.new_zeros(B, self.cfg.vocab_size).scatter(1, self.vocab[None, :].expand(B, K), p))
+                dists.append(p if vocab is None else
+                             p.new_zeros(B, self.cfg.vocab_size).scatter(1, vocab[None, :].expand(B, K), p))
         logits = base + torch.stack(biases, 1) if biases else base  # [B, γ, K]
         drawn = torch.stack(tokens, 1) if prev is None else None  # [B, γ]
         if prev is None:

@@ -15,6 +15,10 @@ The pieces, in the order a step uses them:
 4. `draft_losses`: per-slot weights w_k = exp(-k/λ) on valid slots; weighted means of
    CE(p_d, x*), ‖p_d − p_t‖₁ and BCE(sigmoid(c), c*) with c* = 1 − ½‖p_d − p_t‖₁ (detached).
    p_t = softmax(lm_head(target's final-normed last hidden state)) at T = 1. DFlash: CE only.
+   With `TrainConfig.draft_vocab` = K the drafter scores only the K ids of the export's draft
+   vocabulary (`draft_vocab.choose_vocab`), and the terms are the exact ones of a drafter that
+   never proposes outside them (`draft_losses`: TV with a tail bucket, CE dropped where x* is
+   outside the K ids).
 5. `Trainer`: AdamW, linear warmup + cosine decay, gradient clipping, checkpoints that a
    later session resumes (same `TrainConfig` required), tqdm progress with the loss terms
    and the per-slot acceptance estimate (mean c* of each slot).
@@ -92,6 +96,10 @@ class TrainConfig:
     seed: int = 0  # drafter initialisation, data order, anchor sampling
     init_from: str = ""  # a DeepSpec checkpoint whose weights start the run ("" = random init by seed)
     amp: str = "none"  # "bf16": autocast to bfloat16 (fp32 master weights); "none": fp32
+    # The drafter proposes from K ids only (0 = the whole vocabulary): the ids `dspark export
+    # --draft-vocab K` picks (draft_vocab.choose_vocab: stop tokens, then the most frequent
+    # response tokens); the Trainer is given them (`training_vocab`). See `draft_losses`.
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -118,6 +126,8 @@ class TrainConfig:
                             "expected steps >= 1, batch >= 1, warmup_steps >= 0")
         if self.amp not in ("none", "bf16"):
             problems.append(f"amp is {self.amp!r}, expected 'none' or 'bf16'")
+        if self.draft_vocab < 0:
+            problems.append(f"draft_vocab is {self.draft_vocab}, expected >= 0 (0 = the whole vocabulary)")
         if self.max_seq_len < self.block_size + 1:
             problems.append(f"max_seq_len is {self.max_seq_len}, expected > block_size")
         if problems:
@@ -203,6 +213,35 @@ def check_drafter_matches(drafter: Drafter, cfg: TrainConfig) -> None:
     bad = [f"{name}: drafter has {a!r}, train config {b!r}" for name, a, b in pairs if a != b]
     if bad:
         raise ConfigError("drafter and train config disagree: " + "; ".join(bad))
+
+
+def training_vocab(cfg: TrainConfig, vocab_size: int, stop_token_ids, counts=None) -> torch.Tensor | None:
+    """The draft vocabulary a run with `cfg.draft_vocab` = K trains over: [K] sorted ids, chosen
+    exactly as `dspark export --draft-vocab K` chooses them (`draft_vocab.choose_vocab` with the
+    target's stop tokens and the token counts of the training responses, which `train_drafter.py
+    export` ships as token_counts.json), so the ids trained on are the ids the exported graph
+    proposes. None when `cfg.draft_vocab` is 0 (the whole vocabulary)."""
+    if not cfg.draft_vocab:
+        return None
+    from .draft_vocab import choose_vocab
+
+    return choose_vocab(cfg.draft_vocab, vocab_size, stop_token_ids, counts)
+
+
+def check_vocab(cfg: TrainConfig, vocab: torch.Tensor | None, vocab_size: int) -> None:
+    """`vocab` is what `cfg.draft_vocab` asks for: None for 0, else K sorted distinct ids < V."""
+    if not cfg.draft_vocab:
+        if vocab is not None:
+            raise ConfigError(f"a draft vocabulary of {len(vocab)} ids was given but the train config's "
+                              "draft_vocab is 0 (the whole vocabulary)")
+        return
+    if vocab is None:
+        raise ConfigError(f"draft_vocab is {cfg.draft_vocab}: pass the ids (training_vocab)")
+    v = vocab.cpu()
+    if (v.ndim != 1 or len(v) != cfg.draft_vocab or bool((v[1:] <= v[:-1]).any())
+            or int(v.min()) < 0 or int(v.max()) >= vocab_size):
+        raise ConfigError(f"draft vocabulary: expected {cfg.draft_vocab} sorted distinct ids in 0..{vocab_size - 1}, "
+                          f"got a tensor of shape {tuple(v.shape)}")
 
 
 def drafter_param_count(target_cfg: TargetConfig, cfg: TrainConfig) -> int:
@@ -450,11 +489,17 @@ class HeadOutputs:
     confidence_logits: torch.Tensor | None  # [N, γ] (None without a confidence head)
 
 
-def teacher_forced_heads(drafter: Drafter, h: torch.Tensor, prev: torch.Tensor) -> HeadOutputs:
+def teacher_forced_heads(drafter: Drafter, h: torch.Tensor, prev: torch.Tensor,
+                         vocab: torch.Tensor | None = None) -> HeadOutputs:
     """h [N, γ, d] normed block states; prev [N, γ] ground-truth previous tokens -> logits:
-    `Drafter.sequential` teacher-forced (the Markov state threaded across slots)."""
-    base = drafter.lm_head(h)  # [N, γ, V]
-    out = drafter.sequential(h, base, prev[:, 0], prev=prev, probs=False)
+    `Drafter.sequential` teacher-forced (the Markov state threaded across slots). vocab [K]: a
+    draft vocabulary: the frozen LM head's rows and the Markov output projection's rows of
+    those ids only, as `restrict_vocab` cuts them for the export -> logits [N, γ, K]."""
+    if vocab is None:
+        base = drafter.lm_head(h)  # [N, γ, V]
+    else:
+        base = F.linear(h, drafter.lm_head.weight[vocab])  # [N, γ, K]
+    out = drafter.sequential(h, base, prev[:, 0], prev=prev, probs=False, rows=vocab)
     conf = out.confidence_logits if drafter.confidence_head is not None else None  # [N, γ]
     return HeadOutputs(base, out.logits, conf)
 
@@ -475,6 +520,7 @@ class LossTerms:
     conf: torch.Tensor  # scalar, weighted mean of BCE(sigmoid(c), c*) (0 without a confidence head)
     accept_sum: torch.Tensor  # [γ] Σ c* over valid slots (detached)
     slot_count: torch.Tensor  # [γ] number of valid slots
+    ce_dropped: torch.Tensor | None = None  # valid slots whose label lies outside the draft vocabulary (CE weight 0)
 
     @property
     def acceptance(self) -> torch.Tensor:
@@ -491,31 +537,44 @@ class DistillLoss(torch.autograd.Function):
     l1 are detached. The gradient with respect to the logits, a·(p_d − onehot(x*)) +
     b·p_d ⊙ (s − ⟨p_d, s⟩) with s = sign(p_d − p_t), is formed in the forward pass chunk by
     chunk, so the [M, V] intermediates of the plain autograd graph (log-softmax, probabilities,
-    differences, signs and their backward passes) never exist."""
+    differences, signs and their backward passes) never exist.
+
+    Over a draft vocabulary of K ids (target_lse [M] given): logits [M, K] score the K ids,
+    target_logits [M, K] are the target's logits of the same ids and target_lse its
+    log-normalizer over the whole vocabulary, so p_t = exp(z_t − lse) over the K ids and the
+    tail bucket p_t(tail) = 1 − Σ_K p_t. A drafter that proposes only the K ids has
+    ‖p_d − p_t‖₁ = Σ_K |p_d − p_t| + p_t(tail) exactly (= 2·TV); the tail term has no gradient,
+    so the gradient keeps the form above over the K columns. labels are indices into the K ids."""
 
     CHUNK = 16  # rows: a [16, 49152] fp32 temporary is 3 MB
 
     @staticmethod
-    def forward(ctx, logits, target_logits, labels, a, b):
+    def forward(ctx, logits, target_logits, labels, a, b, target_lse=None):
         M = logits.shape[0]
         grad = torch.empty_like(logits)  # [M, V] d loss / d logits
         ce = logits.new_empty(M, dtype=torch.float32)
         l1 = logits.new_empty(M, dtype=torch.float32)
         with torch.autocast(logits.device.type, enabled=False):
-            DistillLoss._rows(logits, target_logits, labels, a, b, grad, ce, l1)
+            DistillLoss._rows(logits, target_logits, labels, a, b, grad, ce, l1, target_lse)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(ce, l1)
         return (a * ce).sum() + (b * l1).sum(), ce, l1
 
     @staticmethod
-    def _rows(logits, target_logits, labels, a, b, grad, ce, l1) -> None:
+    def _rows(logits, target_logits, labels, a, b, grad, ce, l1, target_lse=None) -> None:
         with_tv = bool(b.any())  # DFlash only logs ‖p_d − p_t‖₁: no gradient term to form
         for lo in range(0, logits.shape[0], DistillLoss.CHUNK):
             sl = slice(lo, lo + DistillLoss.CHUNK)
             logp = torch.log_softmax(logits[sl].float(), dim=-1)  # [c, V]
             p = logp.exp()
-            s = p - torch.softmax(target_logits[sl].float(), dim=-1)  # p_d − p_t
-            l1[sl] = s.abs().sum(-1)
+            if target_lse is None:
+                s = p - torch.softmax(target_logits[sl].float(), dim=-1)  # p_d − p_t
+                l1[sl] = s.abs().sum(-1)
+            else:  # [c, K]: p_t of the K ids, and the target's mass outside them (no gradient)
+                pt = torch.exp(target_logits[sl].float() - target_lse[sl, None].float())
+                tail = (1.0 - pt.sum(-1)).clamp_min(0.0)  # [c]
+                s = p - pt
+                l1[sl] = s.abs().sum(-1) + tail
             s.sign_()
             y = labels[sl, None]  # [c, 1]
             ce[sl] = -logp.gather(-1, y)[:, 0]
@@ -528,32 +587,56 @@ class DistillLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_ce, _g_l1):
         (grad,) = ctx.saved_tensors
-        return grad * g_loss.to(grad.dtype), None, None, None, None
+        return grad * g_loss.to(grad.dtype), None, None, None, None, None
 
 
 def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, target_logits: torch.Tensor,
                  labels: torch.Tensor, valid: torch.Tensor, cfg: TrainConfig,
-                 weight_total: torch.Tensor | float | None = None) -> LossTerms:
+                 weight_total: torch.Tensor | float | None = None, target_lse: torch.Tensor | None = None,
+                 vocab: torch.Tensor | None = None) -> LossTerms:
     """dspark.md §6 on N blocks.
 
     logits [N, γ, V] corrected draft logits U + B; confidence_logits [N, γ] or None;
     target_logits [N, γ, V] the target's logits for the same tokens; labels [N, γ];
     valid [N, γ] bool. Each term is Σ w·term / Σ w over valid slots; `weight_total`
-    overrides the denominator (micro-batches of one step share the step's Σ w)."""
+    overrides the denominator (micro-batches of one step share the step's Σ w).
+
+    A draft vocabulary (vocab [K] sorted ids; `TrainConfig.draft_vocab`): logits [N, γ, K] over
+    those ids, target_logits [N, γ, K] the target's logits of the same ids and target_lse
+    [N, γ] the target's logsumexp over the whole vocabulary. The drafter then never proposes
+    outside the K ids, and the terms are exact for such a drafter:
+    - TV = ½ Σ_K |p_d − p_t| + ½ p_t(tail), p_t(tail) = 1 − Σ_K p_t (the L1 term is 2·TV), and
+      c* = 1 − TV is still the exact acceptance probability (`DistillLoss`);
+    - CE rule: a valid slot whose label x* lies outside the K ids gets CE weight 0 (the drafter
+      can never propose x*, so no finite loss on K logits stands for it); its TV term and its
+      confidence term stay. `ce` logs Σ w·CE over the other slots divided by the same Σ w, and
+      `ce_dropped` counts the slots dropped that way."""
     gamma = logits.shape[1]
     w = slot_weights(gamma, cfg.decay).to(logits.device)[None] * valid  # [N, γ]
+    ce_keep = None  # [N, γ] bool: slots whose CE counts (draft vocabulary only)
+    if vocab is not None:
+        if target_lse is None:
+            raise ValueError("draft_losses over a draft vocabulary needs target_lse")
+        vocab = vocab.to(labels.device)
+        at = torch.searchsorted(vocab, labels).clamp(max=len(vocab) - 1)  # [N, γ] index of x* among the K ids
+        ce_keep = vocab[at] == labels
+        labels = torch.where(ce_keep, at, torch.zeros_like(at))  # outside K: any index, its CE weight is 0
     denom = w.sum() if weight_total is None else torch.as_tensor(weight_total, device=logits.device)
     denom = denom.clamp_min(1e-12)
 
     def wmean(t: torch.Tensor) -> torch.Tensor:  # t [N, γ]
         return (w * t).sum() / denom
 
-    a = w * ((1.0 if cfg.dflash else cfg.alpha_ce) / denom)  # [N, γ] each slot's CE coefficient in the total
+    w_ce = w if ce_keep is None else w * ce_keep
+    a = w_ce * ((1.0 if cfg.dflash else cfg.alpha_ce) / denom)  # [N, γ] each slot's CE coefficient in the total
     b = w * (0.0 if cfg.dflash else cfg.alpha_tv / denom)  # DFlash: ‖p_d − p_t‖₁ logged, not optimised
     V = logits.shape[-1]
+    lse = None if target_lse is None else target_lse.reshape(-1)
     head, ce, l1 = DistillLoss.apply(logits.reshape(-1, V), target_logits.reshape(-1, V), labels.reshape(-1),
-                                     a.reshape(-1).float(), b.reshape(-1).float())
+                                     a.reshape(-1).float(), b.reshape(-1).float(), lse)
     ce, l1 = ce.view_as(w), l1.view_as(w)  # [N, γ]
+    if ce_keep is not None:
+        ce = torch.where(ce_keep, ce, torch.zeros_like(ce))  # dropped slots: CE 0 (logged so)
     c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0)  # the exact acceptance probability of each slot
     bce = logits.new_zeros((), dtype=torch.float32)
     if confidence_logits is not None:
@@ -561,7 +644,8 @@ def draft_losses(logits: torch.Tensor, confidence_logits: torch.Tensor | None, t
     total = head if cfg.dflash else head + cfg.alpha_conf * bce
     ce_m, tv_m = wmean(ce), wmean(l1)  # logged
     vf = valid.float()
-    return LossTerms(total, ce_m, tv_m, bce, (c_star * vf).sum(0).detach(), vf.sum(0))
+    dropped = None if ce_keep is None else (valid & ~ce_keep).sum().detach()
+    return LossTerms(total, ce_m, tv_m, bce, (c_star * vf).sum(0).detach(), vf.sum(0), dropped)
 
 
 def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = False, exact_top: int = 16) -> torch.Tensor:
@@ -570,22 +654,78 @@ def teacher_logits(weight: torch.Tensor, hidden: torch.Tensor, bf16: bool = Fals
     instructions) and the `exact_top` largest logits of each row, which carry nearly all of the
     distribution's mass, are recomputed in fp32; the rest keep bf16's rounding (relative 2^-9)."""
     w = weight.float()
-    if not bf16:
+    return _teacher_logits(w, w.bfloat16() if bf16 else None, hidden, exact_top)
+
+
+def _teacher_logits(w: torch.Tensor, w_bf16: torch.Tensor | None, hidden: torch.Tensor, exact_top: int) -> torch.Tensor:
+    """`teacher_logits` with the fp32 weight w [V, d] and its bf16 copy (None: fp32 GEMM) given."""
+    if w_bf16 is None:
         return hidden.float() @ w.T
-    logits = (hidden.bfloat16().flatten(0, -2) @ w.bfloat16().T).float().view(*hidden.shape[:-1], -1)  # [N, γ, V]
+    logits = (hidden.bfloat16().flatten(0, -2) @ w_bf16.T).float().view(*hidden.shape[:-1], -1)  # [N, γ, V]
     top = logits.topk(min(exact_top, logits.shape[-1]), dim=-1).indices  # [N, γ, k]
     exact = (w[top] @ hidden.float()[..., None])[..., 0]  # [N, γ, k, d] @ [N, γ, d, 1] -> [N, γ, k]
     return logits.scatter_(-1, top, exact)
 
 
+TEACHER_CHUNK = 512  # positions per full-vocabulary GEMM of `teacher_vocab_logits` ([512, 49152] fp32: 100 MB)
+
+
+def teacher_vocab_logits(weight: torch.Tensor, final_hidden: torch.Tensor, positions: torch.Tensor,
+                         valid: torch.Tensor, vocab: torch.Tensor, bf16: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's side of a draft-vocabulary loss: its logits of the K ids and its
+    log-normalizer over the whole vocabulary, for every slot.
+
+    weight [V, d] the LM head; final_hidden [B, T, d]; positions [B, A, γ] the position p+k whose
+    state predicts slot k's token; valid [B, A, γ]; vocab [K] -> (z [N, γ, K], lse [N, γ]) fp32,
+    N = B·A. The remaining full-vocabulary cost of a draft-vocabulary step is here: the
+    normalizer needs lm_head over all V ids (the [P, d] x [d, V] GEMM and a logsumexp over V).
+    It is paid once per distinct (sequence, position) of the valid slots, not once per slot as
+    `teacher_logits` is (overlapping blocks share positions), in chunks of TEACHER_CHUNK rows,
+    so no [N, γ, V] tensor exists. With `bf16` the GEMM is `teacher_logits`'s. Invalid slots get
+    a valid slot's (finite) values; their weight is 0."""
+    B, T = final_hidden.shape[:2]
+    bidx = torch.arange(B, device=positions.device)[:, None, None]
+    flat = (bidx * T + positions.clamp(max=T - 1)).flatten()  # [N·γ] row of final_hidden.flatten(0, 1)
+    ok = valid.flatten()
+    rows, inv = torch.unique(flat[ok], return_inverse=True)  # distinct positions; slot -> row
+    if len(rows) == 0:  # nothing supervised: any row keeps the shapes (weights are 0)
+        rows, inv = flat[:1], flat.new_zeros(0)
+    slot_row = torch.zeros_like(flat)
+    slot_row[ok] = inv
+    hidden = final_hidden.flatten(0, 1)[rows]  # [P, d]
+    w = weight.float()
+    w_bf16 = w.bfloat16() if bf16 else None
+    vocab = vocab.to(w.device)
+    z = hidden.new_empty(len(rows), len(vocab), dtype=torch.float32)  # [P, K]
+    lse = hidden.new_empty(len(rows), dtype=torch.float32)  # [P]
+    for lo in range(0, len(rows), TEACHER_CHUNK):
+        logits = _teacher_logits(w, w_bf16, hidden[lo:lo + TEACHER_CHUNK], exact_top=16)  # [c, V] the full-V cost
+        lse[lo:lo + TEACHER_CHUNK] = torch.logsumexp(logits, dim=-1)
+        z[lo:lo + TEACHER_CHUNK] = logits[:, vocab]
+    shape = positions.shape  # [B, A, γ]
+    return z[slot_row].view(B * shape[1], shape[2], -1), lse[slot_row].view(B * shape[1], shape[2])
+
+
 def compute_loss(drafter: Drafter, batch: TrainBatch, cfg: TrainConfig,
-                 weight_total: torch.Tensor | float | None = None) -> LossTerms:
+                 weight_total: torch.Tensor | float | None = None, vocab: torch.Tensor | None = None) -> LossTerms:
     """Backbone -> heads -> losses for one (micro-)batch. Under bf16 autocast the backbone and
     the draft heads' matmuls run in bf16 (fp32 accumulation), and so does the target's LM head
     but for the largest logits of each row (`teacher_logits`); the softmaxes and the losses
-    stay in fp32."""
+    stay in fp32. vocab [K]: the draft vocabulary of `cfg.draft_vocab` (`training_vocab`): the
+    draft heads and the loss run over K ids (`teacher_vocab_logits`, `draft_losses`)."""
+    check_vocab(cfg, vocab, drafter.cfg.vocab_size)
     h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions)  # [B, A, γ, d]
     h = h.flatten(0, 1).float()  # [N = B·A, γ, d]; padding anchors' slots are invalid (weight 0)
+    if vocab is not None:
+        vocab = vocab.to(h.device)
+        with torch.autocast(h.device.type, enabled=False), torch.no_grad():
+            target_logits, target_lse = teacher_vocab_logits(drafter.lm_head.weight, batch.final_hidden,
+                                                             batch.positions, batch.valid, vocab,
+                                                             bf16=cfg.amp == "bf16")  # [N, γ, K], [N, γ]
+        heads = teacher_forced_heads(drafter, h.to(drafter.lm_head.weight.dtype), batch.prev.flatten(0, 1), vocab)
+        return draft_losses(heads.logits, heads.confidence_logits, target_logits, batch.labels.flatten(0, 1),
+                            batch.valid.flatten(0, 1), cfg, weight_total, target_lse, vocab)
     B, T = batch.final_hidden.shape[:2]
     bidx = torch.arange(B, device=h.device)[:, None, None].expand_as(batch.positions)
     t_hidden = batch.final_hidden[bidx, batch.positions.clamp(max=T - 1)].flatten(0, 1)  # [N, γ, d] state at p+k
@@ -656,10 +796,11 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(drafter: Drafter, data: SequenceSource, cfg: TrainConfig, seed: int = 0, batch: int | None = None,
              indices: list[int] | None = None, device: str | torch.device = "cpu",
-             progress: bool = True) -> EvalResult:
+             progress: bool = True, vocab: torch.Tensor | None = None) -> EvalResult:
     """Loss terms and per-slot acceptance c* of `drafter` over the sequences `indices` of
     `data` (default all), with `cfg.anchors_per_seq` anchors per sequence drawn from (seed,
-    sequence index): two drafters evaluated with the same seed see the very same blocks."""
+    sequence index): two drafters evaluated with the same seed see the very same blocks.
+    vocab: the draft vocabulary of `cfg.draft_vocab` (None for 0)."""
     from tqdm import tqdm
 
     check_drafter_matches(drafter, cfg)
@@ -678,7 +819,7 @@ def evaluate(drafter: Drafter, data: SequenceSource, cfg: TrainConfig, seed: int
             w = float((slot_weights(cfg.block_size, cfg.decay) * b.valid.float()).sum())
             if w > 0:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
-                    t = compute_loss(drafter, b, cfg, weight_total=1.0)  # Σ w·term (not yet divided)
+                    t = compute_loss(drafter, b, cfg, weight_total=1.0, vocab=vocab)  # Σ w·term (not yet divided)
                 sums += torch.tensor([w, float(t.ce), float(t.tv), float(t.conf)], dtype=torch.float64)
                 acc += torch.stack([t.accept_sum, t.slot_count]).double().cpu()
             bar.update(len(idx))
@@ -701,6 +842,7 @@ class StepStats:
     grad_norm: float
     acceptance: list[float]  # [γ] mean c* per slot
     seconds: float
+    ce_dropped: int = 0  # valid slots whose label lay outside the draft vocabulary (their CE weight is 0)
 
     @property
     def tau_estimate(self) -> float:
@@ -741,15 +883,18 @@ class Trainer:
         run_dir/checkpoints/step-NNNNNNN/     drafter/ (DeepSpec format, fp32, no embeddings)
                                               trainer_state.pt (optimizer, step, RNG, config, data)
 
-    Use `Trainer.start` for a new run and `Trainer.resume` to continue one."""
+    Use `Trainer.start` for a new run and `Trainer.resume` to continue one. `vocab`: the draft
+    vocabulary [K] of `cfg.draft_vocab` (`training_vocab`; None for 0); checkpoints record it."""
 
     def __init__(self, drafter: Drafter, data: SequenceSource, cfg: TrainConfig, run_dir: str | Path, *,
                  device: str | torch.device = "cpu", save_every: int = 500, log_every: int = 10,
                  keep_checkpoints: int = 2, micro_batch: int | None = None, progress: bool = True,
-                 on_checkpoint: Callable[[], None] | None = None):
+                 on_checkpoint: Callable[[], None] | None = None, vocab: torch.Tensor | None = None):
         check_drafter_matches(drafter, cfg)
+        check_vocab(cfg, vocab, drafter.cfg.vocab_size)
         self.cfg = cfg
         self.device = torch.device(device)
+        self.vocab = None if vocab is None else vocab.long().to(self.device)
         self.drafter = drafter.float().to(self.device).train()
         freeze_shared(self.drafter)
         self.data = data
@@ -789,12 +934,17 @@ class Trainer:
         state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
         saved = TrainConfig.from_dict(state["config"])
         check_resume_config(saved, cfg)
+        saved_vocab = state.get("draft_vocab_ids")  # the run's draft vocabulary (None: the whole vocabulary)
+        given = kw.pop("vocab", None)
+        if given is not None and (saved_vocab is None or not torch.equal(given.cpu().long(), saved_vocab)):
+            raise ConfigError("resume: the given draft vocabulary differs from the checkpoint's; resume without one "
+                              "(the checkpoint's is used)")
         fp = data.fingerprint()
         if state.get("data_fingerprint") not in (None, fp):
             raise ConfigError(f"resume: the training data differs from the checkpoint's (fingerprint "
                               f"{state['data_fingerprint']} vs {fp}); resume with the same data")
         drafter = load_drafter(ckpt / "drafter", dtype=torch.float32, embeddings=embeddings)
-        trainer = cls(drafter, data, saved, run_dir, **kw)
+        trainer = cls(drafter, data, saved, run_dir, vocab=saved_vocab, **kw)
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.step_idx = int(state["step"])
         _set_rng_state(state["rng"])
@@ -821,15 +971,17 @@ class Trainer:
         if weight_total == 0:
             raise ConfigError(f"step {self.step_idx}: no supervised slot in the batch (are responses empty?)")
         self.optimizer.zero_grad(set_to_none=True)
-        sums = None
+        sums, dropped = None, 0
         for lo in range(0, cfg.batch, self.micro_batch):
             part = TrainBatch(**{f.name: getattr(batch, f.name)[lo:lo + self.micro_batch]
                                  for f in fields(batch)}).to(self.device)
             if not bool(part.anchor_ok.any()):
                 continue
             with self._autocast():
-                terms = compute_loss(self.drafter, part, cfg, weight_total)
+                terms = compute_loss(self.drafter, part, cfg, weight_total, self.vocab)
             terms.total.backward()
+            if terms.ce_dropped is not None:
+                dropped += int(terms.ce_dropped)
             vals = torch.stack([terms.total.detach(), terms.ce.detach(), terms.tv.detach(),
                                 torch.as_tensor(terms.conf).detach().float()]).float().cpu()
             acc = torch.stack([terms.accept_sum, terms.slot_count]).cpu()
@@ -840,7 +992,8 @@ class Trainer:
         vals, acc = sums
         acceptance = (acc[0] / acc[1].clamp_min(1)).tolist()
         acceptance = [a if n > 0 else math.nan for a, n in zip(acceptance, acc[1].tolist())]
-        stats = StepStats(self.step_idx, lr, *(float(v) for v in vals), gn, acceptance, time.perf_counter() - t0)
+        stats = StepStats(self.step_idx, lr, *(float(v) for v in vals), gn, acceptance, time.perf_counter() - t0,
+                          dropped)
         self.step_idx += 1
         return stats
 
@@ -888,9 +1041,12 @@ class Trainer:
                             f"conf {mean['conf']:.3f} acc [{' '.join(f'{a:.2f}' for a in acc)}] τ≈{tau:.2f} "
                             f"lr {window[-1].lr:.2e}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        line = {"step": window[-1].step + 1, **mean, "acceptance": acc, "tau_estimate": tau,
+                "lr": window[-1].lr, "sec_per_step": sum(s.seconds for s in window) / n}
+        if self.cfg.draft_vocab:  # slots whose label lay outside the draft vocabulary (CE weight 0), per step
+            line["ce_dropped"] = sum(s.ce_dropped for s in window) / n
         with open(self.run_dir / "log.jsonl", "a") as f:
-            f.write(json.dumps({"step": window[-1].step + 1, **mean, "acceptance": acc, "tau_estimate": tau,
-                                "lr": window[-1].lr, "sec_per_step": sum(s.seconds for s in window) / n}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
     # -- checkpoints --
 
@@ -903,8 +1059,9 @@ class Trainer:
         tmp = root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_drafter(self.drafter, tmp / "drafter", dtype=torch.float32, include_embeddings=False)
+        extra = {} if self.vocab is None else {"draft_vocab_ids": self.vocab.cpu()}
         torch.save({"step": self.step_idx, "config": self.cfg.to_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": _rng_state(), "data_fingerprint": self.data.fingerprint()}, tmp / TRAINER_STATE)
+                    "rng": _rng_state(), "data_fingerprint": self.data.fingerprint(), **extra}, tmp / TRAINER_STATE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         old = sorted(p for p in root.glob("step-*") if p.is_dir())[:-self.keep] if self.keep > 0 else []

@@ -130,7 +130,7 @@ CONFIG_FLAGS = {  # flag dest -> TrainConfig field
     "dflash": "dflash", "anchors": "anchors_per_seq", "max_len": "max_seq_len", "alpha_ce": "alpha_ce",
     "alpha_tv": "alpha_tv", "alpha_conf": "alpha_conf", "decay": "decay", "lr": "lr", "min_lr_ratio": "min_lr_ratio",
     "weight_decay": "weight_decay", "warmup": "warmup_steps", "steps": "steps", "batch": "batch",
-    "grad_clip": "grad_clip", "seed": "seed", "amp": "amp", "init_from": "init_from",
+    "grad_clip": "grad_clip", "seed": "seed", "amp": "amp", "init_from": "init_from", "draft_vocab": "draft_vocab",
 }
 
 
@@ -163,6 +163,10 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-from", help="start from this DeepSpec checkpoint's weights instead of a random init "
                    "(e.g. continue the shipped drafter in a new session; its architecture must match the flags)")
     g.add_argument("--amp", choices=["bf16", "none"], help="bf16 autocast (default on CUDA) or fp32 (default on CPU)")
+    g.add_argument("--draft-vocab", type=int, metavar="K", help="train the drafter to propose from K ids only: the "
+                   "ids `dspark export --draft-vocab K` picks (stop tokens, then the most frequent response tokens "
+                   "of --data); cheaper steps, exact TV for such a drafter, CE dropped where the target's token is "
+                   "outside them; export the result with --draft-vocab K (default 0: the whole vocabulary)")
 
 
 def _overrides(args) -> dict:
@@ -315,6 +319,26 @@ def _trainer_kw(args, device: str) -> dict:
                 on_checkpoint=_heap_policy() if device == "cpu" else None)
 
 
+def _training_vocab(cfg, loaded, data: Path, run: Path):
+    """The draft vocabulary of `--draft-vocab K` (None without): chosen from the token counts of
+    DATA's responses exactly as `dspark export --draft-vocab K` chooses from the exported
+    checkpoint's token_counts.json. The counts are kept in RUN/token_counts.json, and `export`
+    ships that file, so the bundle's ids are the trained ones even if DATA grows later."""
+    from dspark.export.draft_vocab import count_responses, save_counts
+    from dspark.export.training import training_vocab
+
+    if not cfg.draft_vocab:
+        return None
+    V = loaded.model.cfg.vocab_size
+    counts, source = count_responses(data, V) if (data / "responses").is_dir() else (None, None)
+    vocab = training_vocab(cfg, V, loaded.stop_token_ids, counts)
+    if counts is not None:
+        save_counts(run, counts, source)
+    how = f"the most frequent ids in {source}" if counts is not None else "the lowest ids (no responses to count)"
+    print(f"draft vocabulary: {len(vocab)} of {V} ids, {how}, with the stop tokens", file=sys.stderr)
+    return vocab
+
+
 def cmd_train(args) -> int:
     from dspark.export import load_target
     from dspark.export.training import Trainer, latest_checkpoint
@@ -333,9 +357,10 @@ def cmd_train(args) -> int:
             "cache": None if args.no_cache else str(Path(args.cache or Path(args.data) / f"features-{cfg_layers}"))}
     data = _source(info, target, cfg)
     run.mkdir(parents=True, exist_ok=True)
+    vocab = _training_vocab(cfg, loaded, Path(args.data), run)
     (run / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     print(f"train: {len(data)} sequences, config {cfg.to_dict()}", file=sys.stderr)
-    trainer = Trainer.start(target, data, cfg, run, **_trainer_kw(args, device))
+    trainer = Trainer.start(target, data, cfg, run, vocab=vocab, **_trainer_kw(args, device))
     trainer.train(max_steps=args.max_steps, time_budget_s=_duration(args.time_budget))
     print(f"stopped at step {trainer.step_idx}/{cfg.steps}; checkpoint in {run}/checkpoints", file=sys.stderr)
     return 0
@@ -382,15 +407,30 @@ def cmd_export(args) -> int:
         return 2
     state = torch.load(ckpt / TRAINER_STATE, map_location="cpu", weights_only=True)
     info = json.loads((Path(args.run) / "run.json").read_text())
-    m = load_target(args.target or info.get("target")).model
+    loaded = load_target(args.target or info.get("target"))
+    m = loaded.model
     drafter = load_drafter(ckpt / "drafter", embeddings=(m.embed_tokens.weight, m.lm_head.weight))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    export_drafter(drafter, args.out, TrainConfig.from_dict(state["config"]), int(state["step"]), dtype,
-                   args.with_embeddings)
-    if (Path(info["data"]) / "responses").is_dir():  # for `dspark export --draft-vocab`
-        from dspark.export.draft_vocab import count_responses, save_counts
+    cfg = TrainConfig.from_dict(state["config"])
+    export_drafter(drafter, args.out, cfg, int(state["step"]), dtype, args.with_embeddings)
+    from dspark.export.draft_vocab import COUNTS_FILE, choose_vocab, count_responses, load_counts, save_counts
 
+    if (Path(args.run) / COUNTS_FILE).exists():  # a --draft-vocab run: the counts its ids were chosen from
+        import shutil
+
+        shutil.copyfile(Path(args.run) / COUNTS_FILE, Path(args.out) / COUNTS_FILE)
+    elif (Path(info["data"]) / "responses").is_dir():  # for `dspark export --draft-vocab`
         save_counts(args.out, *count_responses(info["data"], m.cfg.vocab_size))
+    if cfg.draft_vocab:
+        found = load_counts(args.out, m.cfg.vocab_size)
+        ids = choose_vocab(cfg.draft_vocab, m.cfg.vocab_size, loaded.stop_token_ids,
+                           None if found is None else found[0])
+        if not torch.equal(ids, state["draft_vocab_ids"]):
+            print(f"warning: `dspark export --draft-vocab {cfg.draft_vocab}` of {args.out} would choose other ids than "
+                  "the run trained on", file=sys.stderr)
+        print(f"the run trained over a draft vocabulary of {cfg.draft_vocab} ids: export it with "
+              f"`dspark export --drafter {args.out} --draft-vocab {cfg.draft_vocab}` (its other Markov rows are "
+              "untrained)", file=sys.stderr)
     print(f"wrote {args.out} from {ckpt} ({args.dtype}); bundle it with "
           f"`dspark export --drafter {args.out} --out engines/<name>`", file=sys.stderr)
     return 0

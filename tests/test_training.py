@@ -21,7 +21,7 @@ from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache
 from dspark.export.training import (BatchPlan, architecture_of, DistillLoss, TrainConfig, TrainSequence, Trainer, anchor_candidates, build_blocks,
                                     build_drafter, check_resume_config, collate, compute_loss, draft_block_states, draft_losses,
                                     drafter_param_count, evaluate, lr_at, make_batch, max_markov_rank, sample_anchors,
-                                    slot_weights, teacher_forced_heads, teacher_logits)
+                                    slot_weights, teacher_forced_heads, teacher_logits, teacher_vocab_logits)
 from dspark.runtime.errors import ConfigError
 
 GAMMA = 4
@@ -571,3 +571,200 @@ def test_a_held_out_set_shares_no_prompt_with_the_training_data(tiny_hf, tmp_pat
     # --disjoint-from is what guarantees a held-out set
     assert script.main(gen + ["--data", str(tmp_path / "held2"), "--skip", "2"]) == 0
     assert {r["prompt"] for r in read_responses(tmp_path / "held2" / "responses")} == {"q three?", "q one?"}
+
+
+# --- training over a draft vocabulary (TrainConfig.draft_vocab; issue 24) ---------------------------
+
+
+def _grads(drafter, loss) -> dict[str, torch.Tensor]:
+    params = {n: p for n, p in drafter.named_parameters() if p.requires_grad}
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True)))
+
+
+def _vocab_run(target, seqs, tmp_path, **kw):
+    cfg = _cfg(batch=2, **kw)
+    trainer = Trainer.start(target, ListSource(seqs[:2]), cfg, tmp_path / "run", progress=False)
+    return trainer.drafter, trainer.batch(0), cfg
+
+
+@pytest.mark.parametrize("head", ["vanilla", "rnn", "dflash"])
+def test_draft_vocab_of_the_whole_vocabulary_is_todays_loss(target, seqs, tmp_path, head):
+    """K = V (ids 0..V-1): the restricted path (K-row heads, p_t from the full-V normalizer, a
+    tail of 0, no CE slot dropped) gives today's loss terms and gradients."""
+    kw = dict(markov_rank=0, dflash=True) if head == "dflash" else dict(markov_head_type=head)
+    drafter, batch, cfg = _vocab_run(target, seqs, tmp_path, **kw)
+    V = drafter.cfg.vocab_size
+    today = compute_loss(drafter, batch, cfg)
+    full = torch.arange(V)
+    cfg_k = TrainConfig.from_dict({**cfg.to_dict(), "draft_vocab": V})
+    restricted = compute_loss(drafter, batch, cfg_k, vocab=full)
+    for name in ("total", "ce", "tv", "conf", "accept_sum"):
+        torch.testing.assert_close(getattr(restricted, name), getattr(today, name), atol=2e-6, rtol=1e-5, msg=name)
+    assert int(restricted.ce_dropped) == 0 and today.ce_dropped is None
+    g0, g1 = _grads(drafter, today.total), _grads(drafter, restricted.total)
+    for name, g in g0.items():
+        if g is None:
+            assert g1[name] is None, name
+        else:
+            torch.testing.assert_close(g1[name], g, atol=1e-6, rtol=1e-4, msg=name)
+    with pytest.raises(ConfigError, match="draft_vocab is"):
+        compute_loss(drafter, batch, cfg_k)  # the ids must be given
+    with pytest.raises(ConfigError, match="draft_vocab is 0"):
+        compute_loss(drafter, batch, cfg, vocab=full)
+    with pytest.raises(ConfigError, match="draft_vocab is -1"):
+        _cfg(draft_vocab=-1)
+
+
+def _brute_force_loss(drafter, batch, cfg, vocab):
+    """A plain autograd reference over the whole vocabulary: the draft distribution p_d' of a
+    drafter that proposes only the ids in `vocab` (softmax over their logits, zero elsewhere),
+    p_t = softmax of the full target logits, L1 = Σ_V |p_d' − p_t| = 2·TV, CE of slots whose
+    label is in `vocab`, BCE against c* = 1 − TV."""
+    h = draft_block_states(drafter, batch.features, batch.anchors, batch.inputs, batch.positions).flatten(0, 1)
+    heads = teacher_forced_heads(drafter, h, batch.prev.flatten(0, 1))  # [N, γ, V] the unrestricted drafter
+    B, T = batch.final_hidden.shape[:2]
+    bidx = torch.arange(B)[:, None, None].expand_as(batch.positions)
+    t_hidden = batch.final_hidden[bidx, batch.positions.clamp(max=T - 1)].flatten(0, 1)
+    pt = (t_hidden @ drafter.lm_head.weight.T).softmax(-1)  # [N, γ, V]
+    pd = torch.zeros_like(pt).index_copy(-1, vocab, heads.logits[..., vocab].softmax(-1))  # zero outside K
+    labels, valid = batch.labels.flatten(0, 1), batch.valid.flatten(0, 1)
+    in_k = torch.isin(labels, vocab)
+    ce = -torch.log(pd.gather(-1, labels[..., None])[..., 0].clamp_min(1e-30))
+    l1 = (pd - pt).abs().sum(-1)
+    w = slot_weights(cfg.block_size, cfg.decay)[None] * valid
+    wm = lambda x: (w * x).sum() / w.sum()  # noqa: E731
+    ce_m = (w * torch.where(in_k, ce, 0.0)).sum() / w.sum()
+    total = (ce_m if cfg.dflash else cfg.alpha_ce * ce_m) + (0 if cfg.dflash else cfg.alpha_tv * wm(l1))
+    bce = torch.zeros(())
+    if heads.confidence_logits is not None:
+        cstar = (1 - 0.5 * l1).clamp(0, 1).detach()
+        bce = wm(torch.nn.functional.binary_cross_entropy_with_logits(heads.confidence_logits, cstar, reduction="none"))
+        total = total + cfg.alpha_conf * bce
+    return total, ce_m, wm(l1), bce, int((valid & ~in_k).sum())
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "dflash"])
+def test_draft_vocab_loss_is_the_exact_tv_of_a_drafter_restricted_to_it(target, seqs, tmp_path, head):
+    """K < V: loss terms and gradients equal a brute-force full-vocabulary computation where the
+    drafter's probability outside the K ids is zero; chunks of 4 rows cross slot boundaries."""
+    kw = dict(markov_rank=0, dflash=True) if head == "dflash" else dict(markov_head_type=head)
+    drafter, batch, cfg = _vocab_run(target, seqs, tmp_path, **kw)
+    V = drafter.cfg.vocab_size
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:V // 3].sort().values
+    cfg_k = TrainConfig.from_dict({**cfg.to_dict(), "draft_vocab": len(vocab)})
+    ref, ref_ce, ref_l1, ref_bce, ref_dropped = _brute_force_loss(drafter, batch, cfg, vocab)
+    assert ref_dropped > 0  # some labels lie outside the K ids
+    want = _grads(drafter, ref)
+    for chunk in (16, 4):
+        DistillLoss.CHUNK = chunk
+        try:
+            t = compute_loss(drafter, batch, cfg_k, vocab=vocab)
+            got = _grads(drafter, t.total)
+        finally:
+            DistillLoss.CHUNK = 16
+        assert t.total.item() == pytest.approx(ref.item(), rel=1e-5)
+        assert t.tv.item() == pytest.approx(ref_l1.item(), rel=1e-5)
+        assert t.ce.item() == pytest.approx(ref_ce.item(), rel=1e-5)
+        assert t.conf.item() == pytest.approx(ref_bce.item(), rel=1e-5, abs=1e-7)
+        assert int(t.ce_dropped) == ref_dropped
+        for name, g in want.items():
+            if g is None:
+                assert got[name] is None, name
+            else:
+                torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-4, msg=name)
+    # the Markov rows outside the K ids get no gradient: the exported graph never uses them
+    if drafter.markov_head is not None:
+        g = got["markov_head.markov_w2.weight"]
+        outside = torch.ones(V, dtype=torch.bool).index_fill(0, vocab, False)
+        assert bool((g[outside] == 0).all()) and bool((g[vocab] != 0).any())
+
+
+def test_teacher_vocab_logits_are_the_full_logits_of_the_k_ids():
+    g = torch.Generator().manual_seed(0)
+    w, hid = torch.randn(300, 16, generator=g), torch.randn(2, 12, 16, generator=g)  # [V, d], [B, T, d]
+    positions = torch.tensor([[[0, 1, 2], [5, 6, 7], [6, 7, 8]], [[3, 4, 5], [10, 11, 12], [0, 1, 2]]])  # [B, A, γ]
+    valid = torch.ones_like(positions, dtype=torch.bool)
+    valid[1, 1, 1:] = False  # past the response: 12 is clamped to T - 1 and not computed
+    valid[1, 2] = False  # a padding anchor
+    vocab = torch.tensor([0, 7, 8, 100, 299])
+    for bf16 in (False, True):
+        full = teacher_logits(w, hid[torch.arange(2)[:, None, None], positions.clamp(max=11)].flatten(0, 1), bf16)
+        z, lse = teacher_vocab_logits(w, hid, positions, valid, vocab, bf16)
+        v = valid.flatten(0, 1)
+        torch.testing.assert_close(z[v], full[..., vocab][v], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[v], full.logsumexp(-1)[v], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(z).all() and torch.isfinite(lse).all()  # invalid slots: finite, weight 0
+
+
+def test_draft_vocab_ce_rule_drops_slots_outside_it():
+    """A slot whose label x* is not among the K ids gets CE weight 0: with only the CE term, its
+    logits get no gradient and the logged CE is the other slots' only; the TV term still counts
+    it; `ce_dropped` counts it."""
+    g = torch.Generator().manual_seed(2)
+    N, gamma, V = 3, 4, 20
+    vocab = torch.tensor([1, 4, 5, 9, 12, 19])
+    logits = torch.randn(N, gamma, len(vocab), generator=g).requires_grad_()
+    tfull = torch.randn(N, gamma, V, generator=g)
+    labels = vocab[torch.randint(0, len(vocab), (N, gamma), generator=g)]
+    labels[0, 1], labels[2, 0], labels[1, 3] = 2, 0, 18  # outside the K ids
+    valid = torch.ones(N, gamma, dtype=torch.bool)
+    valid[1, 3] = False  # invalid anyway: not counted as dropped
+    tz, lse = tfull[..., vocab], tfull.logsumexp(-1)
+    ce_only = _cfg(markov_rank=0, dflash=True, draft_vocab=len(vocab))  # CE only
+    t = draft_losses(logits, None, tz, labels, valid, ce_only, target_lse=lse, vocab=vocab)
+    assert int(t.ce_dropped) == 2
+    (grad,) = torch.autograd.grad(t.total, [logits])
+    dropped = torch.zeros(N, gamma, dtype=torch.bool)
+    dropped[0, 1] = dropped[2, 0] = dropped[1, 3] = True
+    assert bool((grad[dropped] == 0).all()) and bool((grad[~dropped].abs().sum(-1) > 0).all())
+    w = slot_weights(gamma, 4.0)[None] * valid
+    ce = -logits.detach().log_softmax(-1).gather(-1, torch.searchsorted(vocab, labels).clamp(max=5)[..., None])[..., 0]
+    assert t.ce.item() == pytest.approx(((w * ce)[~dropped].sum() / w.sum()).item(), rel=1e-6)
+    # the TV term keeps the dropped slots: their L1 includes the target's mass outside the K ids
+    tv = draft_losses(logits, None, tz, labels, valid, _cfg(draft_vocab=len(vocab)), target_lse=lse, vocab=vocab)
+    (grad_tv,) = torch.autograd.grad(tv.total, [logits])
+    assert bool((grad_tv[0, 1].abs() > 0).any())
+    pd = torch.zeros(N, gamma, V).index_copy(-1, vocab, logits.detach().softmax(-1))
+    l1 = (pd - tfull.softmax(-1)).abs().sum(-1)
+    assert tv.tv.item() == pytest.approx(((w * l1).sum() / w.sum()).item(), rel=1e-5)
+
+
+def test_train_with_a_draft_vocab_and_export_it(tiny_hf, tmp_path):
+    """`train --draft-vocab K` end to end on a tiny target: the run trains over the ids `dspark
+    export --draft-vocab K` then picks from the exported checkpoint, logs the dropped CE slots,
+    and its checkpoint exports to a bundle whose drafter graphs propose those K ids."""
+    from dspark.runtime.tools.cli import main as dspark
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": q}) + "\n" for q in ["What is 2+2?", "Name a color.", "Say hi"]))
+    script, data, run, K = _script(), tmp_path / "data", tmp_path / "run", 24
+    assert script.main(["generate", "--target", str(tiny_hf), "--data", str(data), "--prompts", str(prompts),
+                        "--self-prompts", "0", "--temperatures", "1", "--max-new-tokens", "16", "--batch", "3"]) == 0
+    assert script.main(["train", "--target", str(tiny_hf), "--data", str(data), "--run", str(run), "--no-cache",
+                        "--draft-vocab", str(K), "--layer-ids", "-1", "1", "2", "--layers", "1", "--markov-rank", "8",
+                        "--block-size", str(GAMMA), "--mask-token-id", "3", "--anchors", "8", "--batch", "2",
+                        "--steps", "3", "--warmup", "0", "--log-every", "1", "--max-len", "64"]) == 0
+    state = torch.load(run / "checkpoints" / "step-0000003" / "trainer_state.pt", weights_only=True)
+    assert state["config"]["draft_vocab"] == K and len(state["draft_vocab_ids"]) == K
+    log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and all("ce_dropped" in r and math.isfinite(r["loss"]) for r in log)
+    drafter_dir = tmp_path / "drafter"
+    assert script.main(["export", "--run", str(run), "--target", str(tiny_hf), "--out", str(drafter_dir),
+                        "--dtype", "fp32"]) == 0
+    from dspark.export.bundle import draft_vocab
+
+    loaded = load_target(tiny_hf)
+    V = loaded.model.cfg.vocab_size
+    ids, how = draft_vocab(K, loaded, drafter_dir)  # what `dspark export --draft-vocab K` picks
+    assert torch.equal(ids, state["draft_vocab_ids"]) and "most frequent" in how
+    bundle = tmp_path / "bundle"
+    assert dspark(["export", "--target", str(tiny_hf), "--drafter", str(drafter_dir), "--out", str(bundle),
+                   "--draft-vocab", str(K), "--precision", "fp32", "--no-profile"]) == 0
+    from dspark.runtime.manifest import Manifest
+
+    assert Manifest.load(bundle).extra["draft_vocab"]["size"] == K
+    # a resumed run keeps its ids; resuming with other ids is refused
+    data_src = ListSource([])  # never read: the vocabulary check comes first
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        Trainer.resume(run, (loaded.model.embed_tokens.weight, loaded.model.lm_head.weight), data_src,
+                       vocab=torch.arange(V - K, V))  # without the stop token 2, which the run's ids hold
