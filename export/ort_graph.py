@@ -24,7 +24,6 @@ outputs: logits [B, K, V], features [B, S, m*d], present_key_i / present_value_i
          (the same buffers as past_*, bound by the runtime); names from graph_io"""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -182,56 +181,34 @@ def _attention_weights(model: TargetModel, weights: dict[str, BlockWeight], i: i
     return [q[index], k, v], [o[:, index]], True
 
 
-@dataclass
-class Shapes:
-    """The per-call tensors every layer shares (`_call_shapes`)."""
-    positions: str  # [B, S] int64: starts + 0..S-1
-    row_positions: str  # [B, S·rows] int64: each token's position, once per query row (`_attention`)
-    mask: str  # [B, 1, S·rows, key_count] additive attention bias
-    kv_heads: str  # [4] int64: the shape [B, S, Hkv, D]
-    q_rows: str  # [3] int64: the shape [B, S·rows, Hkv·D]
-
-
-def _call_shapes(g: Builder, ids: str, starts: str, keys: str, c) -> Shapes:
-    """Positions, the query rows' positions and the attention mask shared by every layer: row j
-    of a request reads cache positions 0..starts + j (its own key included), never the rest of
-    the buffer. `rows` = the query heads per KV head (at least 2: see `_attention`),
-    token-major: query row s·rows + r is token s."""
-    Hkv, D = c.num_kv_heads, c.head_dim
-    rows = max(c.num_heads // Hkv, 2)
+def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:
+    """The rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
+    [B, 1, S·rows, key_count] shared by every layer: row j of a request reads cache positions
+    0..starts + j (its own key included), never the rest of the buffer. `rows` = the query heads
+    per KV head (at least 2: see `_attention`), token-major."""
     zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
-    axis_end = g.const("axis_end", np.array([-1], np.int64))
-    ids_shape = g.op("Shape", [ids], "ids_shape")  # [B, S]
-    S = g.op("Gather", [ids_shape, one], "query_len")
+    S = g.op("Gather", [g.op("Shape", [ids], "ids_shape"), one], "query_len")
     offsets = g.op("Range", [zero, S, one], "query_offsets")  # [S]
     positions = g.op("Add", [g.op("Unsqueeze", [starts, g.const("axis_1", np.array([1], np.int64))], "starts_col"),
                              offsets], "positions")  # [B, S]
-    positions_col = g.op("Unsqueeze", [positions, axis_end], "positions_col")  # [B, S, 1]
-    reps = g.const("row_reps", np.array([1, 1, rows], np.int64))
-    row_positions = g.op("Reshape", [g.op("Tile", [positions_col, reps], "positions_rows3"),
-                                     g.const("shape_rows2", np.array([0, -1], np.int64))], "row_positions")
     key_pos = g.op("Range", [zero, g.op("Squeeze", [keys], "key_count_scalar"), one], "key_positions")  # [T]
-    seen = g.op("LessOrEqual", [key_pos, positions_col], "seen")  # [B, S, T]
+    seen = g.op("LessOrEqual", [key_pos, g.op("Unsqueeze", [positions, g.const("axis_end", np.array([-1], np.int64))],
+                                              "positions_col")], "seen")  # [B, S, T]
     mask = g.op("Where", [seen, g.const("zero_f", np.array(0.0, np.float32)),
                           g.const("masked", np.array(MASKED, np.float32))], "mask_rows")  # [B, S, T]
     mask = g.op("Unsqueeze", [mask, g.const("axis_2", np.array([2], np.int64))], "mask_4d")  # [B, S, 1, T]
-    mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, rows, 1], np.int64))],
+    mask = g.op("Tile", [mask, g.const("mask_reps", np.array([1, 1, max(group, 2), 1], np.int64))],
                 "mask_rows_tiled")  # [B, S, rows, T]
     mask = g.op("Reshape", [mask, g.const("shape_mask", np.array([0, 1, -1, 0], np.int64))],
-                "mask")  # [B, 1, S·rows, T]
-    kv_heads = g.op("Concat", [ids_shape, g.const("kv_head_dims", np.array([Hkv, D], np.int64))], "kv_heads_shape",
-                    axis=0)
-    batch = g.op("Slice", [ids_shape, g.const("i0_1", np.array([0], np.int64)), g.const("i1_1", np.array([1], np.int64))],
-                 "batch_dim")
-    q_rows = g.op("Concat", [batch, g.const("q_row_dims", np.array([-1, Hkv * D], np.int64))], "q_rows_shape", axis=0)
-    return Shapes(positions, row_positions, mask, kv_heads, q_rows)
+                "mask")  # [B, 1, S·rows, T]: row s·rows + r is token s
+    return positions, mask
 
 
-def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, str], shapes: Shapes, starts: str,
-               keys: str, past: tuple[str, str], present: tuple[str, str], head_major_o: bool) -> str:
-    """Causal GQA attention of q [B·S, H·D] (heads in `_head_major` order) over the cache, after
-    rotating q and k and writing this call's k, v [B·S, Hkv·D] into the cache at the rows'
-    positions (in place: `present` is bound to `past`'s memory). Returns [B·S, H·D], heads in
+def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, str], positions: str, mask: str,
+               starts: str, keys: str, past: tuple[str, str], present: tuple[str, str], head_major_o: bool) -> str:
+    """Causal GQA attention of q [B, S, H·D] (heads in `_head_major` order) over the cache, after
+    rotating q and k and writing this call's k, v [B, S, Hkv·D] into it at the rows' positions
+    (in place: `present` is bound to `past`'s memory). Returns [B·S, H·D], heads in
     `_head_major` order if `head_major_o`, else in the model's order.
 
     Written so that a row's result does not depend on the call's other rows, nor on key_count
@@ -244,17 +221,18 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, s
       j mod width adds the keys in order), so keys past a row's position, masked by the
       attention bias, add at most exp(−88) each, far below the last bit of a sum that holds
       exp(0) = 1.
-    `RotaryEmbedding` rotates k as [B, Hkv, S, D] and q as those rows, each with its token's
-    position: the same bits as rotating [B, S, heads·D] (an elementwise map per head)."""
+    `RotaryEmbedding` rotates q and k as [B, S, heads·D]: its sequence axis must be S, which
+    its cos/sin cache (max_position_embeddings rows) bounds, not the S·G attention rows."""
     H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
     G = H // Hkv
     w = g.const
     cos, sin = rope
+    q = g.op("RotaryEmbedding", [q, positions, cos, sin], f"qr_{i}", domain=MS, num_heads=H, interleaved=0)
+    k = g.op("RotaryEmbedding", [k, positions, cos, sin], f"kr_{i}", domain=MS, num_heads=Hkv, interleaved=0)
+    to_heads = w("shape_kv_heads", np.array([0, 0, Hkv, D], np.int64))
     caches = []
-    for x, rotate, buf, out in ((k, True, past[0], present[0]), (v, False, past[1], present[1])):
-        x = g.op("Transpose", [g.op("Reshape", [x, shapes.kv_heads], f"{x}_heads")], f"{x}_bhsd", perm=[0, 2, 1, 3])
-        if rotate:
-            x = g.op("RotaryEmbedding", [x, shapes.positions, cos, sin], f"kr_{i}", domain=MS, interleaved=0)
+    for x, buf, out in ((k, past[0], present[0]), (v, past[1], present[1])):
+        x = g.op("Transpose", [g.op("Reshape", [x, to_heads], f"{x}_heads")], f"{x}_bhsd", perm=[0, 2, 1, 3])
         g.op("TensorScatter", [buf, x, starts], out, axis=-2)  # [B, Hkv, S_max, D], rows starts..starts+S-1
         caches.append(g.op("Slice", [out, w("i0_1", np.array([0], np.int64)), keys, w("axis_2", np.array([2], np.int64))],
                            f"{out}_read"))  # [B, Hkv, T, D]
@@ -262,11 +240,9 @@ def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, s
     # q in head-major order (`_head_major`) as Hkv heads of S·rows query rows: row s·rows + g is
     # query head g of each KV head's group, token s
     if G == 1:  # each row twice: never M = 1
-        q = g.op("Concat", [q, q], f"q_twice_{i}", axis=-1)  # [B·S, 2·Hkv·D]
-    q = g.op("Reshape", [q, shapes.q_rows], f"q_rows_{i}")  # [B, S·rows, Hkv·D]
-    q = g.op("RotaryEmbedding", [q, shapes.row_positions, cos, sin], f"qr_{i}", domain=MS, num_heads=Hkv,
-             interleaved=0)
-    o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", shapes.mask], f"attn_rows_{i}", domain=MS,
+        q = g.op("Concat", [q, q], f"q_twice_{i}", axis=-1)  # [B, S, 2·Hkv·D]
+    q = g.op("Reshape", [q, w("shape_q_rows", np.array([0, -1, Hkv * D], np.int64))], f"q_rows_{i}")  # [B, S·rows, Hkv·D]
+    o = g.op("MultiHeadAttention", [q, key_cache, value_cache, "", "", mask], f"attn_rows_{i}", domain=MS,
              num_heads=Hkv, scale=1.0 / float(np.sqrt(D)))  # [B, S·rows, Hkv·D]
     if G == 1:
         o = g.op("Reshape", [o, w("shape_o_twice", np.array([-1, 2 * Hkv * D], np.int64))], f"attn_twice_{i}")
@@ -297,10 +273,12 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     splits_qkv = g.weight("splits_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     flat = g.const("shape_2d", np.array([-1, c.hidden_size], np.int64))
     if c.qk_norm:
-        shape_q = g.weight("shape_heads_q", np.array([0, H, D], np.int64))
-        shape_k = g.weight("shape_heads_k", np.array([0, Hkv, D], np.int64))
-        shape_flat = g.const("shape_heads_flat", np.array([0, -1], np.int64))
-    shapes = _call_shapes(g, ids_in, starts_in, keys_in, c)
+        shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
+        shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
+        shape_flat = g.const("shape_heads_flat", np.array([0, 0, -1], np.int64))
+    positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
+    per_token = g.op("Concat", [g.op("Shape", [ids_in], "ids_shape_3d"), g.const("i_neg1", np.array([-1], np.int64))],
+                     "per_token_shape", axis=0)  # [B, S, -1]
     embedded = (block_gather(g, ids_in, head, "logits_flat", "embedded") if shared_head
                 else g.op("Gather", [embed, ids_in], "embedded"))  # [B, S, d]
     resid = g.op("Reshape", [embedded, flat], "resid_0")  # [B·S, d]
@@ -311,6 +289,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
         a = layer.self_attn
         qkv_parts, o_parts, head_major_o = _attention_weights(model, weights, i)
         qkv = _linear(g, h, f"qkv_{i}", qkv_parts)  # [B·S, (H+2Hkv)D], q's heads head-major
+        qkv = g.op("Reshape", [qkv, per_token], f"qkv3_{i}")  # [B, S, (H+2Hkv)D]
         g.op("Split", [qkv, splits_qkv], [f"q_{i}", f"k_{i}", f"v_{i}"], axis=-1)
         q, k, v = f"q_{i}", f"k_{i}", f"v_{i}"
         if c.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
@@ -321,7 +300,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
             k = g.op("SimplifiedLayerNormalization", [k, g.weight(f"k_norm_{i}", a.k_norm.weight)], f"kn_{i}",
                      axis=-1, epsilon=eps)
             q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"k_{i}_normed")
-        o = _attention(g, i, c, q, k, v, rope, shapes, starts_in, keys_in, (past[i], past[L + i]),
+        o = _attention(g, i, c, q, k, v, rope, positions, mask, starts_in, keys_in, (past[i], past[L + i]),
                        (present[i], present[L + i]), head_major_o)
         o = _linear(g, o, f"o_{i}", o_parts)
         h = g.op("SkipSimplifiedLayerNormalization",
@@ -342,8 +321,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
         if i in feature_layer_ids:
             feats.append(resid)
     features = g.op("Concat", feats, "features_2d", axis=-1) if feats else resid  # [B·S, m·d]
-    g.op("Reshape", [features, g.op("Concat", [g.op("Shape", [ids_in], "ids_shape_f"), g.const("i_neg1", np.array([-1], np.int64))],
-                                    "features_shape", axis=0)], features_out)  # [B, S, m·d]
+    g.op("Reshape", [features, per_token], features_out)  # [B, S, m·d]
     d = c.hidden_size
     # logit rows: row logit_index[b, j] of request b is row b·S + logit_index[b, j] of the stream
     S = g.op("Gather", [g.op("Shape", [ids_in], "ids_shape_l"), g.const("i1", np.array(1, np.int64))], "query_len_l")

@@ -145,6 +145,33 @@ def test_ort_graph_attention_on_other_shapes(arch, kw):
         assert np.array_equal(run(ids[9 + j:11 + j], 9 + j)[0], three[j]), f"row {j} in a call of 2"
 
 
+def test_ort_graph_prompt_near_the_context_limit():
+    """A prompt of nearly max_position_embeddings tokens in one call: RotaryEmbedding bounds its
+    input's sequence axis by the cos/sin cache, so q must be rotated per token (S rows), never as
+    the S·G attention rows (which exceed it here). Against the torch reference."""
+    import onnxruntime as ort
+    import torch
+    from factories import tiny_target
+
+    from dspark.export.ort_graph import build_target_ort
+    from dspark.runtime.backends.onnxruntime import session_options
+
+    target = tiny_target("llama", seed=5)
+    c = target.cfg
+    n = c.max_position_embeddings - 12  # S·G > max_position_embeddings
+    assert n * (c.num_heads // c.num_kv_heads) > c.max_position_embeddings
+    with torch.no_grad():
+        sess = ort.InferenceSession(build_target_ort(target, (0,)).SerializeToString(), session_options(1))
+    cache = {f"past_{kv}_{i}": np.zeros((1, c.num_kv_heads, c.max_position_embeddings, c.head_dim), np.float32)
+             for kv in ("key", "value") for i in range(c.num_layers)}
+    ids = np.random.default_rng(1).integers(0, c.vocab_size, n)
+    rows = np.array([0, n // 2, n - 1])
+    logits = sess.run(["logits"], {"input_ids": ids[None], "logit_index": rows[None], "starts": np.array([0]),
+                                   "key_count": np.array([n]), **cache})[0][0]  # [3, V]
+    ref, _ = TorchBackend(target, None, c.max_position_embeddings).target(ids[None], np.zeros(1, np.int64))
+    close(logits, ref[0, rows], "prompt near the context limit")
+
+
 def test_int8_drafter_graph(tiny_bundle, manifest, engine):
     """The int8 drafter (the CPU default) proposes from nearly the fp32 distribution, and the
     output stays the target's: greedy identical to the target alone, sampled identical in
