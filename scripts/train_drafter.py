@@ -39,6 +39,10 @@ The pipeline (each step resumable: run it again to continue where it stopped):
        python scripts/train_drafter.py export --run out/drafter/run --out drafters/smollm2-dspark
      then `dspark export --drafter drafters/smollm2-dspark --out engines/smollm2`.
 
+  `train --draft-vocab K` trains over the K ids `dspark export --draft-vocab K` will deploy (the
+  drafter's heads and the loss over those ids, the exact TV of such a drafter: about 1.7x cheaper
+  steps at K = 8192, docs/drafter.md); `evaluate --draft-vocab K` scores a drafter that way.
+
   A later session (machines are not kept, so no optimizer state survives) continues the
   shipped drafter with a warm start on regenerated data:
        python scripts/train_drafter.py train --init-from export/drafters/smollm2-135m-instruct ...
@@ -454,6 +458,7 @@ def cmd_evaluate(args) -> int:
     import torch
 
     from dspark.export import load_drafter, load_target
+    from dspark.export.bundle import draft_vocab
     from dspark.export.train_data import FeatureCache
     from dspark.export.training import TrainConfig, architecture_of, evaluate
 
@@ -462,7 +467,8 @@ def cmd_evaluate(args) -> int:
     labels = args.label or [str(d) for d in args.drafter]
     if len(labels) != len(dirs):
         raise SystemExit(f"{len(labels)} --label for {len(dirs)} --drafter")
-    cfgs = [TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp) for d in dirs]
+    cfgs = [TrainConfig(**architecture_of(d), anchors_per_seq=args.anchors, amp=args.amp, draft_vocab=args.draft_vocab)
+            for d in dirs]
     data = FeatureCache(args.cache, cfgs[0].target_layer_ids)  # one cache, one sample for every drafter
     for d, cfg in zip(dirs, cfgs):
         if cfg.target_layer_ids != cfgs[0].target_layer_ids:
@@ -471,13 +477,16 @@ def cmd_evaluate(args) -> int:
     pool = len(data) if args.first is None else min(args.first, len(data))
     n = pool if args.sequences is None else min(args.sequences, pool)
     indices = sorted(random.Random(args.seed).sample(range(pool), n))
-    target = load_target(args.target).model
+    loaded = load_target(args.target)
+    target = loaded.model
     device = _device(args.device)
     rows = []
     for label, d, cfg in zip(labels, dirs, cfgs):
         drafter = load_drafter(d, dtype=torch.float32, embeddings=(target.embed_tokens.weight, target.lm_head.weight))
-        r = evaluate(drafter.to(device), data, cfg, seed=args.seed, indices=indices, device=device)
+        vocab = draft_vocab(args.draft_vocab, loaded, d)[0] if args.draft_vocab else None  # as the export picks them
+        r = evaluate(drafter.to(device), data, cfg, seed=args.seed, indices=indices, device=device, vocab=vocab)
         rows.append({"label": label, "drafter": str(d), "cache": args.cache, "sequences": r.sequences,
+                     "draft_vocab": args.draft_vocab,
                      "anchors_per_seq": args.anchors, "seed": args.seed, "ce": r.ce, "tv": r.tv, "bce": r.conf,
                      "acceptance": r.acceptance, "tau_estimate": r.tau_estimate})
     width = max(len(r["label"]) for r in rows)
@@ -602,6 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="sample and anchor seed (default 0)")
     q.add_argument("--amp", choices=["bf16", "none"], default="bf16", help="autocast as in training (default bf16)")
     q.add_argument("--json", default=None, help="append one JSON line per drafter to this file")
+    q.add_argument("--draft-vocab", type=int, default=0, metavar="K", help="score each drafter as `dspark export "
+                   "--draft-vocab K` deploys it: proposing from the K ids that export picks for it (its "
+                   "token_counts.json), with the exact TV of such a drafter (default 0: the whole vocabulary)")
     q.set_defaults(fn=cmd_evaluate)
 
     q = sub.add_parser("budget", help="drafter sizes and the largest Markov rank within the budget")

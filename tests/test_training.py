@@ -548,6 +548,11 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     assert row["label"] == "tiny" and row["sequences"] == 4 and len(row["acceptance"]) == GAMMA
     assert first2["sequences"] == 2 and first2["ce"] != row["ce"]
     assert 0 <= min(row["acceptance"]) <= max(row["acceptance"]) <= 1 and row["ce"] > 0
+    # --draft-vocab K: the drafter scored as `dspark export --draft-vocab K` deploys it
+    assert _script().main(argv + ["--draft-vocab", "24"]) == 0
+    k24 = json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[-1])
+    assert k24["draft_vocab"] == 24 and row["draft_vocab"] == 0 and k24["sequences"] == 4
+    assert k24["tv"] != row["tv"] and 0 <= min(k24["acceptance"]) <= max(k24["acceptance"]) <= 1
 
     synth = synthesize_prompts(model, tok, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
     assert len(synth) <= 2 and all(p.source.startswith("self:") for p in synth)
