@@ -181,13 +181,14 @@ def _attention_weights(model: TargetModel, weights: dict[str, BlockWeight], i: i
     return [q[index], k, v], [o[:, index]], True
 
 
-def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str]:
-    """The rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
+def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int) -> tuple[str, str, str, str]:
+    """ids' shape [B, S], S, the rows' positions [B, S] (starts + 0..S-1) and the additive attention mask
     [B, 1, S·rows, key_count] shared by every layer: row j of a request reads cache positions
     0..starts + j (its own key included), never the rest of the buffer. `rows` = the query heads
     per KV head (at least 2: see `_attention`), token-major."""
     zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
-    S = g.op("Gather", [g.op("Shape", [ids], "ids_shape"), one], "query_len")
+    ids_shape = g.op("Shape", [ids], "ids_shape")
+    S = g.op("Gather", [ids_shape, one], "query_len")
     offsets = g.op("Range", [zero, S, one], "query_offsets")  # [S]
     positions = g.op("Add", [g.op("Unsqueeze", [starts, g.const("axis_1", np.array([1], np.int64))], "starts_col"),
                              offsets], "positions")  # [B, S]
@@ -201,7 +202,7 @@ def _positions_and_mask(g: Builder, ids: str, starts: str, keys: str, group: int
                 "mask_rows_tiled")  # [B, S, rows, T]
     mask = g.op("Reshape", [mask, g.const("shape_mask", np.array([0, 1, -1, 0], np.int64))],
                 "mask")  # [B, 1, S·rows, T]: row s·rows + r is token s
-    return positions, mask
+    return ids_shape, S, positions, mask
 
 
 def _attention(g: Builder, i: int, c, q: str, k: str, v: str, rope: tuple[str, str], positions: str, mask: str,
@@ -276,9 +277,9 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
         shape_q = g.weight("shape_heads_q", np.array([0, 0, H, D], np.int64))
         shape_k = g.weight("shape_heads_k", np.array([0, 0, Hkv, D], np.int64))
         shape_flat = g.const("shape_heads_flat", np.array([0, 0, -1], np.int64))
-    positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
-    per_token = g.op("Concat", [g.op("Shape", [ids_in], "ids_shape_3d"), g.const("i_neg1", np.array([-1], np.int64))],
-                     "per_token_shape", axis=0)  # [B, S, -1]
+    ids_shape, S, positions, mask = _positions_and_mask(g, ids_in, starts_in, keys_in, H // Hkv)
+    per_token = g.op("Concat", [ids_shape, g.const("i_neg1", np.array([-1], np.int64))], "per_token_shape",
+                     axis=0)  # [B, S, -1]
     embedded = (block_gather(g, ids_in, head, "logits_flat", "embedded") if shared_head
                 else g.op("Gather", [embed, ids_in], "embedded"))  # [B, S, d]
     resid = g.op("Reshape", [embedded, flat], "resid_0")  # [B·S, d]
@@ -299,7 +300,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                      axis=-1, epsilon=eps)
             k = g.op("SimplifiedLayerNormalization", [k, g.weight(f"k_norm_{i}", a.k_norm.weight)], f"kn_{i}",
                      axis=-1, epsilon=eps)
-            q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"k_{i}_normed")
+            q, k = g.op("Reshape", [q, shape_flat], f"qf_{i}"), g.op("Reshape", [k, shape_flat], f"kf_{i}")
         o = _attention(g, i, c, q, k, v, rope, positions, mask, starts_in, keys_in, (past[i], past[L + i]),
                        (present[i], present[L + i]), head_major_o)
         o = _linear(g, o, f"o_{i}", o_parts)
@@ -324,11 +325,9 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     g.op("Reshape", [features, per_token], features_out)  # [B, S, m·d]
     d = c.hidden_size
     # logit rows: row logit_index[b, j] of request b is row b·S + logit_index[b, j] of the stream
-    S = g.op("Gather", [g.op("Shape", [ids_in], "ids_shape_l"), g.const("i1", np.array(1, np.int64))], "query_len_l")
-    base = g.op("Mul", [g.op("Range", [g.const("i0", np.array(0, np.int64)),
-                                       g.op("Gather", [g.op("Shape", [index_in], "idx_shape"), g.const("i0", np.array(0, np.int64))],
-                                            "batch_l"),
-                                       g.const("i1", np.array(1, np.int64))], "batch_range"), S], "row_base")  # [B]
+    zero, one = g.const("i0", np.array(0, np.int64)), g.const("i1", np.array(1, np.int64))
+    batch = g.op("Gather", [ids_shape, zero], "batch_size")
+    base = g.op("Mul", [g.op("Range", [zero, batch, one], "batch_range"), S], "row_base")  # [B]
     idx = g.op("Add", [index_in, g.op("Unsqueeze", [base, g.const("axis_1", np.array([1], np.int64))], "row_base_col")],
                "rows_index")  # [B, K]
     rows = g.op("Gather", [h, g.op("Reshape", [idx, g.const("shape_1d", np.array([-1], np.int64))], "rows_index_flat")],
