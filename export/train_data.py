@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import random
 import re
 import warnings
@@ -159,12 +160,20 @@ class EngineResponder:
                 for g in serve(self.engine.backend, requests, self.engine.scheduler(self.scheduler))]
 
 
+def response_shards(directory: str | Path) -> list[Path]:
+    """The response shards of `directory` in shard order: `responses-NNNNN.jsonl` as written, or
+    `responses-NNNNN.jsonl.xz` as committed (`xz -9` of a finished shard; the data is text)."""
+    shards = [*Path(directory).glob("responses-*.jsonl"), *Path(directory).glob("responses-*.jsonl.xz")]
+    return sorted(shards, key=lambda f: f.name.split(".")[0])
+
+
 def read_responses(directory: str | Path) -> list[dict[str, Any]]:
-    """All response records of `directory/responses-*.jsonl`, first occurrence of a key wins.
+    """All response records of `directory`'s shards, first occurrence of a key wins.
     A truncated last line (a run killed mid-write) is skipped with a warning."""
     out, seen = [], set()
-    for shard in sorted(Path(directory).glob("responses-*.jsonl")):
-        lines = shard.read_text(encoding="utf-8").splitlines()
+    for shard in response_shards(directory):
+        raw = lzma.decompress(shard.read_bytes()) if shard.suffix == ".xz" else shard.read_bytes()
+        lines = raw.decode("utf-8").splitlines()
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -191,9 +200,13 @@ class GenerationConfig:
 
 
 def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str | Path,
-                       cfg: GenerationConfig = GenerationConfig(), progress: bool = True) -> int:
+                       cfg: GenerationConfig = GenerationConfig(), progress: bool = True,
+                       time_budget_s: float | None = None) -> int:
     """Answer every (prompt, temperature) not yet in `out_dir` with `responder`; returns how many
-    were written. Prompts are sorted by length within a temperature so a batch pads little."""
+    were written. Prompts are sorted by length within a temperature so a batch pads little.
+    `time_budget_s`: stop after the batch during which this many seconds have passed."""
+    import time
+
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -204,10 +217,11 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
         return 0
     encoded = {p: responder.encode(p.text) for p in {p for p, _ in todo}}
     todo.sort(key=lambda pt: (pt[1], len(encoded[pt[0]])))
-    shard_no = len(list(out.glob("responses-*.jsonl")))
+    shard_no = max((int(f.name.split(".")[0].split("-")[1]) for f in response_shards(out)), default=-1) + 1
     written = in_shard = 0
     bar = tqdm(total=len(todo), desc="generate", unit="resp", disable=not progress, dynamic_ncols=True)
     f = None
+    start = time.monotonic()
     try:
         for lo in range(0, len(todo), cfg.batch):
             chunk = todo[lo:lo + cfg.batch]
@@ -233,6 +247,8 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
                 written += len(group)
                 in_shard += len(group)
                 bar.update(len(group))
+            if time_budget_s is not None and time.monotonic() - start >= time_budget_s:
+                break
     finally:
         if f is not None:
             f.close()

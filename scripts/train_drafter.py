@@ -126,6 +126,30 @@ def _target_config(path: str | None):
     return TargetConfig.from_hf(cfg)
 
 
+DATA_TARGET = "target.json"  # DATA/target.json: the target whose responses and features DATA holds
+
+
+def _check_data_target(data: Path, target: str | None, record: bool = False) -> None:
+    """Refuse, before any compute, a data directory written by another target (its responses and
+    features would teach the drafter someone else's distribution). `record`: mark DATA as this
+    target's (generate does, on first use)."""
+    from dspark.export.bundle import sha256
+    from dspark.export.target_loader import default_target_path
+
+    src = Path(target) if target else default_target_path()
+    have = {"target": src.name, "sha256": sha256(src)}
+    path = data / DATA_TARGET
+    if path.exists():
+        was = json.loads(path.read_text())
+        if was["sha256"] != have["sha256"]:
+            raise SystemExit(f"{data} holds the data of another target ({was['target']}, sha256 "
+                             f"{was['sha256'][:12]}…), not of {src} ({have['sha256'][:12]}…): pass --target with "
+                             f"that model, or a new --data directory for this one")
+    elif record:
+        data.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(have, indent=2) + "\n")
+
+
 # --- train config from flags -----------------------------------------------------------------------
 
 CONFIG_FLAGS = {  # flag dest -> TrainConfig field
@@ -237,6 +261,7 @@ def cmd_generate(args) -> int:
 
     _threads(args.threads)
     data = Path(args.data)
+    _check_data_target(data, args.target, record=True)
     prompts = load_train_prompts(args.prompts, limit=args.limit, skip=args.skip)  # refuses bench paths: before compute
     taken = _prompt_texts(Path(args.disjoint_from)) if args.disjoint_from else set()
     prompts = [p for p in prompts if p.text not in taken]
@@ -278,7 +303,7 @@ def cmd_generate(args) -> int:
     cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                            batch=args.batch, seed=args.seed)
     responder = EngineResponder(engine, args.scheduler) if engine is not None else TransformersResponder(*generator())
-    n = generate_responses(responder, prompts, data / "responses", cfg)
+    n = generate_responses(responder, prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
 
@@ -290,6 +315,7 @@ def cmd_cache(args) -> int:
     from dspark.export.train_data import cache_features, read_responses
 
     _threads(args.threads)
+    _check_data_target(Path(args.data), args.target)
     records = read_responses(Path(args.data) / "responses")
     if not records:
         print(f"no responses in {args.data}/responses: run `generate` first", file=sys.stderr)
@@ -354,6 +380,7 @@ def cmd_train(args) -> int:
         return 2
     device = _device(args.device)
     cfg = _new_config(args, _target_config(args.target), device)  # config errors before any weight is loaded
+    _check_data_target(Path(args.data), args.target)
     loaded = load_target(args.target)
     target = loaded.model.to(device)
     cfg_layers = "_".join(map(str, cfg.target_layer_ids))
@@ -387,6 +414,7 @@ def cmd_resume(args) -> int:
     requested = TrainConfig.from_dict({**saved.to_dict(), **o}) if o else None
     check_resume_config(saved, requested)  # before loading the target or the data
     info = json.loads((run / "run.json").read_text())
+    _check_data_target(Path(info["data"]), args.target or info.get("target"))
     device = _device(args.device)
     loaded = load_target(args.target or info.get("target"))
     target = loaded.model.to(device)
@@ -517,7 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("generate", help="prompts -> target responses at T=0 and T=1 (JSON Lines shards)",
                        description="Answer every training prompt with the target through its chat template "
                        "(batched transformers generate, left padding), once per temperature. Writes "
-                       "DATA/responses/responses-*.jsonl and DATA/prompts-self.jsonl; rerun to continue.")
+                       "DATA/responses/responses-*.jsonl and DATA/prompts-self.jsonl; rerun to continue. "
+                       "A finished shard compressed with `xz -9` (responses-*.jsonl.xz, as committed) is "
+                       "read as it was; DATA/target.json records the target, and another one is refused.")
     common(q)
     q.add_argument("--prompts", nargs="+", default=None, help="prompt files (JSON Lines; default: "
                    "../shared/data/train/{gsm8k-train,alpaca-seed-tasks}.jsonl). Paths under a `bench` "
@@ -543,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--scheduler", default="auto", help="--engine: the decoding scheduler (default auto; none = "
                    "the target alone)")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--time-budget", default=None, help="stop after the batch during which e.g. 45m or 3h have "
+                   "passed (rerun to continue)")
     q.set_defaults(fn=cmd_generate)
 
     q = sub.add_parser("cache", help="target features + final hidden states -> fp16 safetensors shards",

@@ -773,3 +773,47 @@ def test_train_with_a_draft_vocab_and_export_it(tiny_hf, tmp_path):
     with pytest.raises(ConfigError, match="draft vocabulary"):
         Trainer.resume(run, (loaded.model.embed_tokens.weight, loaded.model.lm_head.weight), data_src,
                        vocab=torch.arange(V - K, V))  # without the stop token 2, which the run's ids hold
+
+
+def test_committed_xz_shards_are_read_and_generation_goes_on_after_them(tiny_hf, tmp_path):
+    """A finished shard compressed for committing (`xz -9`) still counts: its prompts are not
+    answered again, and new responses go to the next shard number."""
+    import lzma
+
+    model, tok = load_generator(tiny_hf)
+    responder = TransformersResponder(model, tok)
+    gcfg = GenerationConfig(temperatures=(0.0,), max_new_tokens=4, batch=2)
+    out = tmp_path / "resp"
+    assert generate_responses(responder, [Prompt("What is 2+2?", "t")], out, gcfg, progress=False) == 1
+    plain = out / "responses-00000.jsonl"
+    (out / "responses-00000.jsonl.xz").write_bytes(lzma.compress(plain.read_bytes(), preset=9))
+    plain.unlink()
+    first = read_responses(out)
+    assert [r["prompt"] for r in first] == ["What is 2+2?"]
+    prompts = [Prompt("What is 2+2?", "t"), Prompt("Say hi", "t")]
+    assert generate_responses(responder, prompts, out, gcfg, progress=False) == 1
+    assert sorted(f.name for f in out.iterdir()) == ["responses-00000.jsonl.xz", "responses-00001.jsonl"]
+    assert [r["prompt"] for r in read_responses(out)] == ["What is 2+2?", "Say hi"]
+
+
+def test_a_data_directory_of_another_target_is_refused_before_compute(tiny_hf, tmp_path):
+    """generate records the target in DATA/target.json; generate, cache and train with another
+    target stop with a message naming both, before loading a model."""
+    other = tmp_path / "other"
+    write_tiny_hf_target(other, seed=1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question": "q one?"}) + "\n")
+    data = tmp_path / "data"
+    script = _script()
+    gen = ["generate", "--prompts", str(prompts), "--self-prompts", "0", "--temperatures", "0",
+           "--max-new-tokens", "3", "--data", str(data)]
+    assert script.main(gen + ["--target", str(tiny_hf)]) == 0
+    assert json.loads((data / "target.json").read_text())["target"] == tiny_hf.name
+    for argv in (gen + ["--target", str(other)],
+                 ["cache", "--target", str(other), "--data", str(data), "--layer-ids", "1", "2"],
+                 ["train", "--target", str(other), "--data", str(data), "--run", str(tmp_path / "run"),
+                  "--no-cache", "--layer-ids", "1", "2"]):
+        with pytest.raises(SystemExit, match="another target"):
+            script.main(argv)
+    assert not (tmp_path / "run").exists()
+    assert len(read_responses(data / "responses")) == 1
