@@ -2,8 +2,8 @@
 training prompts and the drafter trains on them, within one device call, and what it made comes
 back under $OUT within the device tool's limits (at most 8 files of 16 MiB).
 
-On the GPU the target is the GGUF dequantized by transformers, computing in bf16: not the CPU
-graph's int8 arithmetic that the default bundle deploys. Its responses and features are close to
+On the GPU the target is the GGUF as transformers loads it, computing in bf16 (--gen-dtype): not
+the CPU graph's int8 arithmetic that the default bundle deploys. Its responses and features are close to
 the deployed target's, not equal; τ is measured afterwards on the deployed CPU graph
 (docs/drafter.md, "The GPU route").
 
@@ -62,7 +62,7 @@ def _pack(work: Path, out: Path) -> list[str]:
         for shard in sorted((work / "data" / "responses").glob("responses-*.jsonl")):
             raw = lzma.compress(shard.read_bytes(), preset=9)
             info = tarfile.TarInfo(f"responses/{shard.name}.xz")
-            info.size = len(raw)
+            info.size, info.mtime = len(raw), int(shard.stat().st_mtime)
             tar.addfile(info, io.BytesIO(raw))
         tar.add(work / "run" / "log.jsonl", arcname="log.jsonl")
     data = buf.getvalue()
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-minutes", type=float, default=4.0, help="training budget (default 4)")
     p.add_argument("--gen-batch", type=int, default=256, help="prompts per transformers generate call")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--gen-dtype", choices=["bf16", "fp32"], default="bf16", help="transformers' compute dtype")
     p.add_argument("--skip", type=int, default=0, help="skip each prompt file's first N prompts (a later "
                    "call answers other prompts)")
     p.add_argument("--seed", type=int, default=0)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         _stage("generate", ["generate", *common, "--data", str(data), "--prompts", *args.prompts,
                             "--skip", str(args.skip), "--self-prompts", "0", "--temperatures", "0", "1",
                             "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.gen_batch),
-                            "--dtype", "bf16", "--seed", str(args.seed), "--time-budget", f"{args.gen_minutes}m"],
+                            "--dtype", args.gen_dtype, "--seed", str(args.seed), "--time-budget", f"{args.gen_minutes}m"],
                report)
         recs = _responses(data)
         tokens = sum(len(r["response_ids"]) for r in recs)
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                  args.device == "cuda" else "none", "--batch", str(args.train_batch), "--steps", str(args.steps),
                  "--lr", str(args.lr), "--warmup", str(args.warmup), "--seed", str(args.seed),
                  "--draft-vocab", str(args.draft_vocab), "--time-budget", f"{args.train_minutes}m",
-                 "--save-every", str(10 ** 9), "--log-every", "10"]
+                 "--save-every", str(10 ** 9), "--log-every", "1"]
         if args.init_from:
             train += ["--init-from", args.init_from]
         _stage("train", train, report)
