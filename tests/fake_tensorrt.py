@@ -1,12 +1,17 @@
-"""A FAKE of the `tensorrt` module, for unit tests of dspark.runtime.backends.tensorrt on machines without
-TensorRT. It is NOT TensorRT and proves nothing about TensorRT: it implements the few calls
-our builder and backend make, records them, and checks what TensorRT would refuse for our
+"""A FAKE of the `tensorrt` module (TensorRT 11), for unit tests of dspark.runtime.backends.tensorrt on
+machines without TensorRT. It is NOT TensorRT and proves nothing about TensorRT: it implements the few
+calls our builder and backend make, records them, and checks what TensorRT would refuse for our
 inputs. Builder: every network input (read from the ONNX file with `onnx`) needs a shape in
 every optimization profile, of the graph's rank, equal to the graph's static dims, with
 min <= opt <= max; a "plan" is JSON describing the build. Runtime: an "engine" runs the ONNX
 graph with ONNX Runtime on host arrays found by their addresses (`HostDevice`); a context
 refuses input shapes outside its optimization profile and resolves output shapes from the
-graph's symbolic dims."""
+graph's symbolic dims.
+
+The names in `REAL_API` follow the real module's: its classes, their methods with the same
+parameter names, properties where it has properties, enum members it has (TensorRT 11.4: no
+FP16/BF16 builder flags, no `device_memory_size`). tests/test_tensorrt_api.py checks them
+against the real tensorrt-cu13 bindings where those import."""
 from __future__ import annotations
 
 import json
@@ -21,24 +26,26 @@ import onnxruntime as ort
 from dspark.runtime.backends.gpu.cupy_device import GpuInfo
 from dspark.runtime.backends.onnxruntime import session_options
 
-__version__ = "10.99.0-fake"
-NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=1)
+__version__ = "11.4.0-fake"
 MemoryPoolType = SimpleNamespace(WORKSPACE="workspace")
-BuilderFlag = SimpleNamespace(TF32="tf32", FP16="fp16", BF16="bf16")
+BuilderFlag = SimpleNamespace(TF32="tf32")  # 11 removed FP16, BF16, INT8...: strongly typed networks only
 TensorIOMode = SimpleNamespace(INPUT="input", OUTPUT="output")
 ExecutionContextAllocationStrategy = SimpleNamespace(STATIC="static", USER_MANAGED="user_managed")
-memory: dict[int, np.ndarray] = {}  # "device" address -> host array (HostDevice allocates here)
+REAL_API = ("__version__", "Logger", "MemoryPoolType", "BuilderFlag", "TensorIOMode", "ExecutionContextAllocationStrategy",
+            "ITimingCache", "IOptimizationProfile", "IBuilderConfig", "INetworkDefinition", "OnnxParser", "Builder",
+            "nptype", "Runtime", "ICudaEngine", "IExecutionContext")
+heap: dict[int, np.ndarray] = {}  # "device" address -> host array (HostDevice allocates here)
 calls: list[tuple] = []  # every recorded call, in order; tests clear it
 
 
 class Logger:
     WARNING = 2
 
-    def __init__(self, level: int = 2):
-        self.level = level
+    def __init__(self, min_severity: int = 2):
+        self.level = min_severity
 
 
-class TimingCache:
+class ITimingCache:
     def __init__(self, blob: bytes):
         self.blob = blob
 
@@ -47,44 +54,44 @@ class TimingCache:
         return json.dumps({"builds": builds + 1}).encode()
 
 
-class OptimizationProfile:
+class IOptimizationProfile:
     def __init__(self):
         self.shapes: dict[str, tuple] = {}
 
-    def set_shape(self, name, lo, opt, hi) -> None:
-        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+    def set_shape(self, input, min, opt, max) -> None:  # noqa: A002 (TensorRT's parameter names)
+        self.shapes[input] = (tuple(min), tuple(opt), tuple(max))
 
 
-class BuilderConfig:
+class IBuilderConfig:
     def __init__(self):
         self.flags = {BuilderFlag.TF32}  # TensorRT enables TF32 by default
-        self.profiles: list[OptimizationProfile] = []
-        self.cache: TimingCache | None = None
+        self.profiles: list[IOptimizationProfile] = []
+        self.cache: ITimingCache | None = None
         self.pools: dict = {}
 
-    def set_memory_pool_limit(self, pool, size: int) -> None:
-        self.pools[pool] = size
+    def set_memory_pool_limit(self, pool, pool_size: int) -> None:
+        self.pools[pool] = pool_size
 
     def clear_flag(self, flag) -> None:
         self.flags.discard(flag)
 
-    def create_timing_cache(self, blob: bytes) -> TimingCache:
-        calls.append(("create_timing_cache", bytes(blob)))
-        return TimingCache(bytes(blob))
+    def create_timing_cache(self, serialized_timing_cache: bytes) -> ITimingCache:
+        calls.append(("create_timing_cache", bytes(serialized_timing_cache)))
+        return ITimingCache(bytes(serialized_timing_cache))
 
-    def set_timing_cache(self, cache: TimingCache, ignore_mismatch: bool) -> bool:
+    def set_timing_cache(self, cache: ITimingCache, ignore_mismatch: bool) -> bool:
         self.cache = cache
         return True
 
-    def get_timing_cache(self) -> TimingCache:
+    def get_timing_cache(self) -> ITimingCache:
         return self.cache
 
-    def add_optimization_profile(self, profile: OptimizationProfile) -> int:
+    def add_optimization_profile(self, profile: IOptimizationProfile) -> int:
         self.profiles.append(profile)
         return len(self.profiles) - 1
 
 
-class Network:
+class INetworkDefinition:
     def __init__(self, flags: int):
         self.flags = flags
         self.inputs: dict[str, tuple] = {}  # name -> dims, -1 where dynamic
@@ -92,12 +99,12 @@ class Network:
 
 
 class OnnxParser:
-    def __init__(self, network: Network, logger: Logger):
+    def __init__(self, network: INetworkDefinition, logger: Logger):
         self.network, self.errors = network, []
 
-    def parse_from_file(self, path: str) -> bool:
-        calls.append(("parse_from_file", path))
-        self.network.path = path
+    def parse_from_file(self, model: str) -> bool:
+        calls.append(("parse_from_file", model))
+        self.network.path = path = model
         try:
             model = onnx.load(path, load_external_data=False)
         except Exception as e:  # noqa: BLE001
@@ -112,26 +119,26 @@ class OnnxParser:
     def num_errors(self) -> int:
         return len(self.errors)
 
-    def get_error(self, i: int) -> str:
-        return self.errors[i]
+    def get_error(self, index: int) -> str:
+        return self.errors[index]
 
 
 class Builder:
     def __init__(self, logger: Logger):
         self.logger = logger
 
-    def create_network(self, flags: int) -> Network:
-        return Network(flags)
+    def create_network(self, flags: int = 0) -> INetworkDefinition:
+        return INetworkDefinition(flags)
 
-    def create_builder_config(self) -> BuilderConfig:
-        return BuilderConfig()
+    def create_builder_config(self) -> IBuilderConfig:
+        return IBuilderConfig()
 
-    def create_optimization_profile(self) -> OptimizationProfile:
-        return OptimizationProfile()
+    def create_optimization_profile(self) -> IOptimizationProfile:
+        return IOptimizationProfile()
 
-    def build_serialized_network(self, network: Network, config: BuilderConfig) -> bytes | None:
+    def build_serialized_network(self, network: INetworkDefinition, config: IBuilderConfig) -> bytes | None:
         calls.append(("build", network, config))
-        if not network.flags & (1 << NetworkDefinitionCreationFlag.STRONGLY_TYPED) or not config.profiles:
+        if not config.profiles:
             return None
         for p in config.profiles:
             for name, dims in network.inputs.items():
@@ -150,8 +157,8 @@ class Builder:
                            "profiles": [p.shapes for p in config.profiles]}).encode()
 
 
-def nptype(dtype: np.dtype) -> type:
-    return np.dtype(dtype).type
+def nptype(trt_type: np.dtype) -> type:
+    return np.dtype(trt_type).type
 
 
 ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(int64)": np.dtype(np.int64)}
@@ -161,27 +168,33 @@ class Runtime:
     def __init__(self, logger: Logger):
         self.logger = logger
 
-    def deserialize_cuda_engine(self, blob: bytes) -> "Engine | None":
+    def deserialize_cuda_engine(self, serialized_engine: bytes) -> "ICudaEngine | None":
         try:
-            plan = json.loads(blob)
+            plan = json.loads(serialized_engine)
         except ValueError:
             return None
-        return Engine(plan) if plan.get("fake_plan") else None
+        return ICudaEngine(plan) if plan.get("fake_plan") else None
 
 
-class Engine:
+class ICudaEngine:
     def __init__(self, plan: dict):
         self.profiles = plan["profiles"]
         self.session = ort.InferenceSession(plan["onnx"], session_options(1), providers=["CPUExecutionProvider"])
         self.io = {**{i.name: (TensorIOMode.INPUT, i) for i in self.session.get_inputs()},
                    **{o.name: (TensorIOMode.OUTPUT, o) for o in self.session.get_outputs()}}
         self.names = list(self.io)
-        self.num_io_tensors = len(self.names)
-        self.device_memory_size_v2 = 4096
-        self.contexts: list[Context] = []
+        self.contexts: list[IExecutionContext] = []
 
-    def get_tensor_name(self, i: int) -> str:
-        return self.names[i]
+    @property
+    def num_io_tensors(self) -> int:
+        return len(self.names)
+
+    @property
+    def device_memory_size_v2(self) -> int:
+        return 4096
+
+    def get_tensor_name(self, index: int) -> str:
+        return self.names[index]
 
     def get_tensor_mode(self, name: str) -> str:
         return self.io[name][0]
@@ -189,22 +202,22 @@ class Engine:
     def get_tensor_dtype(self, name: str) -> np.dtype:
         return ORT_TYPES[self.io[name][1].type]
 
-    def create_execution_context(self, strategy: str = ExecutionContextAllocationStrategy.STATIC) -> "Context":
-        self.contexts.append(Context(self, strategy))
+    def create_execution_context(self, strategy: str = ExecutionContextAllocationStrategy.STATIC) -> "IExecutionContext":
+        self.contexts.append(IExecutionContext(self, strategy))
         return self.contexts[-1]
 
 
-class Context:
-    def __init__(self, engine: Engine, strategy: str):
+class IExecutionContext:
+    def __init__(self, engine: ICudaEngine, strategy: str):
         self.engine, self.strategy = engine, strategy
         self.profile, self.shapes, self.addresses, self.device_memory_set = None, {}, {}, False
         self.executions = 0
 
-    def set_device_memory(self, address: int, size: int) -> None:
-        self.device_memory_set = address in memory and size >= self.engine.device_memory_size_v2
+    def set_device_memory(self, memory: int, size: int) -> None:
+        self.device_memory_set = memory in heap and size >= self.engine.device_memory_size_v2
 
-    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
-        self.profile = index if 0 <= index < len(self.engine.profiles) else None
+    def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
+        self.profile = profile_index if 0 <= profile_index < len(self.engine.profiles) else None
         return self.profile is not None
 
     def set_input_shape(self, name: str, shape: tuple) -> bool:
@@ -214,8 +227,9 @@ class Context:
             self.shapes[name] = tuple(shape)
         return ok
 
-    def set_tensor_address(self, name: str, address: int) -> None:
-        self.addresses[name] = address
+    def set_tensor_address(self, name: str, memory: int) -> bool:
+        self.addresses[name] = memory
+        return memory in heap
 
     def get_tensor_shape(self, name: str) -> tuple:
         symbols = {}
@@ -225,21 +239,21 @@ class Context:
                     symbols.setdefault(dim, size)
         return tuple(symbols[d] if isinstance(d, str) else d for d in self.engine.io[name][1].shape)
 
-    def execute_async_v3(self, stream: int) -> bool:
+    def execute_async_v3(self, stream_handle: int) -> bool:
         if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and not self.device_memory_set:
             return False
-        feeds = {i.name: memory[self.addresses[i.name]] for i in self.engine.session.get_inputs()}
+        feeds = {i.name: heap[self.addresses[i.name]] for i in self.engine.session.get_inputs()}
         if any(feeds[n].shape != self.shapes[n] for n in feeds):
             return False
         outs = self.engine.session.run(None, feeds)
         for o, value in zip(self.engine.session.get_outputs(), outs):
-            np.copyto(memory[self.addresses[o.name]], value)
+            np.copyto(heap[self.addresses[o.name]], value)
         self.executions += 1
         return True
 
 
 class HostDevice:
-    """A `PointerDevice` on the host for the fake engines: numpy arrays registered in `memory`
+    """A `PointerDevice` on the host for the fake engines: numpy arrays registered in `heap`
     by address; `capture` records the body and re-runs it (no graph)."""
 
     info = GpuInfo("fake GPU", (9, 0))
@@ -248,7 +262,7 @@ class HostDevice:
 
     def zeros(self, shape: tuple, dtype: Any) -> np.ndarray:
         a = np.zeros(shape, dtype)
-        memory[self.address(a)] = a
+        heap[self.address(a)] = a
         return a
 
     def address(self, a: np.ndarray) -> int:

@@ -84,7 +84,7 @@ def test_build_against_the_fake(bundle, fake_trt, tmp_path):
     for (_, network, config), role in zip(builds, ("target", "drafter")):
         plan = json.loads((bundle / meta["engines"][role]).read_bytes())
         assert plan["fake_plan"] and not plan["tf32"] and len(plan["profiles"]) == 2
-        assert network.flags == 1 << fake_trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
+        assert network.flags == 0  # TensorRT 11: strongly typed, and the STRONGLY_TYPED flag deprecated
     parsed = [c[1] for c in fake_trt.calls if c[0] == "parse_from_file"]
     assert parsed == [str(bundle / "target.onnx"), str(bundle / "drafter.onnx")]  # never target_ort.onnx
     # the timing cache: carried from the target build to the drafter build, saved, and reused next time
@@ -117,15 +117,34 @@ def test_build_without_tensorrt_is_a_clear_error(bundle, capsys, monkeypatch):
     assert err.startswith("error: ") and "tensorrt package is not installed" in err and "Traceback" not in err
 
 
+def test_tensorrt_10_or_a_failed_start_is_a_clear_error(bundle, fake_trt, capsys, monkeypatch):
+    """TensorRT 10 (weakly typed networks by default, `device_memory_size`), or a Builder that
+    TensorRT cannot create (the bindings raise pybind11's TypeError for a null object): exit 2
+    with the install command, never a traceback."""
+    monkeypatch.setattr(fake_trt, "__version__", "10.16.1.11")
+    assert main(["build", "--bundle", str(bundle), "--backend", "tensorrt"]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT 10.16.1.11 is installed" in err and "dspark-trt[tensorrt]" in err and "Traceback" not in err
+    monkeypatch.setattr(fake_trt, "__version__", "11.4.0-fake")
+
+    def no_cuda(logger):
+        raise TypeError("pybind11::init(): factory function returned nullptr")
+
+    monkeypatch.setattr(fake_trt, "Builder", no_cuda)
+    assert main(["build", "--bundle", str(bundle), "--backend", "tensorrt"]) == 2
+    err = capsys.readouterr().err
+    assert "could not create its builder (pybind11::init()" in err and "nvidia-smi" in err and "Traceback" not in err
+
+
 def test_engine_mismatch_names_the_rebuild_command(bundle, fake_trt):
     meta = trt_build.build_tensorrt(bundle, max_seq=128, prefill_chunk=32, timing_cache=bundle / "t.cache",
                                     log=lambda s: None)
     m = Manifest.load(bundle)
     assert engine_meta(m, bundle) == meta
     assert check_compatible(meta, bundle, fake_trt.__version__, (9, 0), "H200").max_seq == 128
-    with pytest.raises(BackendError, match=r"built with TensorRT 10\.99\.0-fake, this is TensorRT 10\.8\.0.*"
+    with pytest.raises(BackendError, match=r"built with TensorRT 11\.4\.0-fake, this is TensorRT 11\.3\.0.*"
                                            r"dspark build --bundle .* --backend tensorrt --precision fp32 --max-seq 128"):
-        check_compatible(meta, bundle, "10.8.0", (9, 0), "H200")
+        check_compatible(meta, bundle, "11.3.0", (9, 0), "H200")
     with pytest.raises(BackendError, match=r"compute capability 9\.0 .*this GPU is 8\.6"):
         check_compatible(meta, bundle, fake_trt.__version__, (8, 6), "A10")
     m.extra.pop("tensorrt")

@@ -1,9 +1,11 @@
 """`dspark build --backend tensorrt`: TensorRT engines from a bundle's ONNX graphs, built on
-the GPU that will run them. Strongly typed networks (the precision is the graphs' own),
-two optimization profiles per engine (runtime/backends/tensorrt/profiles.py), a timing cache kept across
-builds, and the engine metadata written into the manifest.
+the GPU that will run them. Strongly typed networks (TensorRT 11 has no other kind: the
+precision is the graphs' own), two optimization profiles per engine
+(runtime/backends/tensorrt/profiles.py), a timing cache kept across builds, and the engine
+metadata written into the manifest.
 
-NOT EXECUTED in this project's development environment (no GPU, no TensorRT). The CPU
+NOT EXECUTED: no TensorRT engine has been built by this project, on any machine. Written
+against the TensorRT 11 Python API of the tensorrt-cu13 11.4.0.106 bindings (backend.py). The CPU
 tests drive it against tests/fake_tensorrt.py, a stand-in that checks our calls and our
 profiles against the ONNX inputs: a unit test of this module, not TensorRT verification."""
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ...errors import BackendError, BundleError
 from ..gpu.cupy_device import gpu_info
 from ...graph_io import PAST
 from ...manifest import Manifest
-from .backend import import_tensorrt
+from .backend import create, import_tensorrt
 from .profiles import PROFILE_NAMES, EngineShapes, check_precision, drafter_profiles, target_profiles
 
 KV_PREFIXES = (f"{PAST}_key_", f"{PAST}_value_")  # the cache inputs: their shapes are fixed, not worth recording
@@ -60,12 +62,12 @@ def build_tensorrt(bundle: str | Path, *, precision: str = "fp32", max_seq: int 
     log(f"TensorRT {trt.__version__} on {gpu.name} (sm {gpu.compute[0]}.{gpu.compute[1]}), {precision}, {shapes}; "
         f"timing cache {cache_path} ({len(cache_blob)} bytes)")
     logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
+    builder = create(trt, "builder", lambda: trt.Builder(logger))
     profiles = {"target": target_profiles(manifest, shapes), "drafter": drafter_profiles(manifest, shapes)}
     engines = {}
     for role in ROLES:
         t0 = time.perf_counter()
-        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        network = builder.create_network(0)  # strongly typed: 11 ignores the deprecated STRONGLY_TYPED flag
         parser = trt.OnnxParser(network, logger)
         path = bundle / manifest.graphs[role]
         if not parser.parse_from_file(str(path)):

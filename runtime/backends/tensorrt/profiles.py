@@ -112,8 +112,9 @@ PRECISIONS = {
 
 
 def check_precision(precision: str, graph_dtype: str, compute: tuple[int, int] | None) -> Precision:
-    """TensorRT 10.12+/11 networks are strongly typed: a precision is a property of the ONNX
-    graph, not a builder flag. `compute` None: not checked (no GPU known)."""
+    """TensorRT 11 networks are strongly typed (11 removed the FP16/BF16 builder flags): a
+    precision is a property of the ONNX graph, not a builder flag; only TF32 remains a flag.
+    `compute` None: not checked (no GPU known)."""
     if precision not in PRECISIONS:
         raise InputError(f"unknown precision {precision!r}; choose one of {sorted(PRECISIONS)}")
     p = PRECISIONS[precision]
