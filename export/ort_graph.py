@@ -32,6 +32,7 @@ import torch
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from dspark.runtime.backends.onnxruntime import QDQ_ACCURACY_LEVEL
 from dspark.runtime.graph_io import MASKED, PAST, TARGET_ORT_INPUTS, kv_names, target_ort_outputs
 
 from .layers import rope_cos_sin
@@ -42,8 +43,9 @@ from .tensorrt_ops import subgraphs, walk_nodes
 
 MS = "com.microsoft"
 # int8 activations, quantized per row and per block of K: the only fast MatMulNBits on the CPU
-# (accuracy levels 0 and 1 are slower than fp32), and rows stay apart (docs/quantization.md)
-ACCURACY_LEVEL = 4
+# (accuracy levels 0 and 1 are slower than fp32), and rows stay apart (docs/quantization.md);
+# the runtime's sessions fuse the graph's DequantizeLinear → MatMul into it at this level
+ACCURACY_LEVEL = QDQ_ACCURACY_LEVEL
 
 
 def supports_ort_graph(cfg) -> bool:
@@ -74,16 +76,45 @@ class Builder:
         return outs[0]
 
 
-def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: int = ACCURACY_LEVEL) -> str:
-    """x [M, K] · W [K, N] (quant.py): symmetric `MatMulNBits` (no zero points: onnxruntime
-    #29853), plus x's per-block sums · offsets [K/block, N] when W has offsets (GGUF Q4_1's
-    minimum, kept exactly). The sums are one GEMM by the 0/1 matrix of block membership, and the
-    minimum term is a `Gemm` whose C is the symmetric product: two nodes where Reshape +
-    ReduceSum, MatMul and Add were four."""
+def packed(name: str, codes: np.ndarray, bits: int) -> onnx.TensorProto:
+    """Signed codes as an ONNX INT8 or INT4 tensor (INT4: two to a byte in row-major order, the
+    first in the low nibble)."""
+    if bits == 8:
+        return numpy_helper.from_array(codes.astype(np.int8), name)
+    flat = np.append(codes.reshape(-1), np.int8(0)) if codes.size % 2 else codes.reshape(-1)
+    raw = ((flat[0::2] & 0x0F) | ((flat[1::2] & 0x0F) << 4)).astype(np.uint8)
+    return helper.make_tensor(name, TP.INT4, list(codes.shape), raw.tobytes(), raw=True)
+
+
+def qdq_weight(g: Builder, w: BlockWeight, name: str, suffix: str = "") -> tuple[str, str]:
+    """W's signed codes [K, N] and scales [K/block, N]: the initializers `DequantizeLinear`
+    (axis 0, block_size `w.block`, no zero point) reads. `suffix` names a second reader's copy:
+    the same bytes (shared_weights.py stores them once) under another name, since ONNX Runtime
+    fuses a `DequantizeLinear` into `MatMulNBits` only when the MatMul is its codes' one reader."""
+    codes, scales = f"w.{name}.q{suffix}", f"w.{name}.scales{suffix}"
+    if codes not in {t.name for t in g.inits}:
+        g.inits.append(packed(codes, w.signed_codes(), w.bits))
+        g.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.scales.T), scales))
+    return codes, scales
+
+
+def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: int | None = None) -> str:
+    """x [M, K] · W [K, N] (quant.py), plus x's per-block sums · offsets [K/block, N] when W has
+    offsets (GGUF Q4_1's minimum, kept exactly). W is `DequantizeLinear` of its signed int4/int8
+    codes → `MatMul`: standard ops, which TensorRT reads and ONNX Runtime fuses into the symmetric
+    `MatMulNBits` with no zero points (onnxruntime #29853), at the session's
+    `session.qdq_matmulnbits_accuracy_level` (the runtime sets ACCURACY_LEVEL): the kernel and the
+    bits of writing `MatMulNBits` directly, which `accuracy_level` does instead (the kernel table
+    of scripts/quant_kernels.py). The sums are one GEMM by the 0/1 matrix of block membership, and
+    the minimum term a `Gemm` whose C is the symmetric product."""
     K, N = w.shape
-    y = g.op("MatMulNBits", [x, g.const(f"{name}.q", w.q), g.const(f"{name}.scales", w.scales)],
-             name if w.offsets is None else f"{name}_sym", domain=MS, K=K, N=N, bits=w.bits, block_size=w.block,
-             accuracy_level=accuracy_level)
+    y = name if w.offsets is None else f"{name}_sym"
+    if accuracy_level is None:
+        codes, scales = qdq_weight(g, w, name)
+        g.op("MatMul", [x, g.op("DequantizeLinear", [codes, scales], f"{name}_w", axis=0, block_size=w.block)], y)
+    else:
+        g.op("MatMulNBits", [x, g.const(f"{name}.nbits", w.q), g.const(f"{name}.nbits_scales", w.scales)], y,
+             domain=MS, K=K, N=N, bits=w.bits, block_size=w.block, accuracy_level=accuracy_level)
     if w.offsets is None:
         return y
     members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
@@ -94,18 +125,16 @@ def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: 
 def block_gather(g: Builder, ids: str, w: BlockWeight, name: str, out: str) -> str:
     """`out` = rows `ids` [B, S] of the matrix an 8-bit W [K, N] stands for, transposed: [B, S, K],
     each row dequantized as `BlockWeight.dequantize` does (the same fp32 operations, so the same
-    bits), from the initializers `block_matmul(..., name)` reads: a tied embedding is gathered
-    from its LM head's blocks, so the bundle stores it once (shared_weights.py)."""
+    bits), from the bytes `block_matmul(..., name)` reads (a copy by name: `qdq_weight`): a tied
+    embedding is gathered from its LM head's blocks, so the bundle stores it once."""
     assert w.bits == 8 and w.offsets is None, "an embedding is gathered from 8-bit blocks without offsets"
-    codes = g.op("Cast", [g.op("Gather", [g.const(f"{name}.q", w.q), ids], f"{out}/q")], f"{out}/codes",
-                 to=TP.FLOAT)  # [B, S, K/block, block]
-    centred = g.op("Sub", [codes, g.const("f128", np.array(128.0, np.float32))], f"{out}/centred")
-    scales = g.op("Unsqueeze", [g.op("Gather", [g.const(f"{name}.scales", w.scales), ids], f"{out}/scales"),
-                                g.const("axis_end", np.array([-1], np.int64))], f"{out}/scales4")
-    rows = g.op("Reshape", [g.op("Mul", [centred, scales], f"{out}/blocks"),
-                            g.const("shape_flat", np.array([0, 0, -1], np.int64))], f"{out}/padded")
-    return g.op("Slice", [rows, g.const("i0_1", np.array([0], np.int64)), g.const(f"{name}.k", np.array([w.k], np.int64)),
-                          g.const("axis_end", np.array([-1], np.int64))], out)  # [B, S, K]
+    codes, scales = qdq_weight(g, w, name, ".gather")
+    centred = g.op("Cast", [g.op("Transpose", [g.op("Gather", [codes, ids], f"{out}/q", axis=1)], f"{out}/qt",
+                                 perm=[1, 2, 0])], f"{out}/centred", to=TP.FLOAT)  # [B, S, K]
+    block_of = g.const(f"{name}.block_of", (np.arange(w.k) // w.block).astype(np.int64))  # [K]
+    row_scales = g.op("Transpose", [g.op("Gather", [scales, ids], f"{out}/s", axis=1)], f"{out}/st",
+                      perm=[1, 2, 0])  # [B, S, K/block]
+    return g.op("Mul", [centred, g.op("Gather", [row_scales, block_of], f"{out}/scales", axis=2)], out)  # [B, S, K]
 
 
 def embed_from_blocks(model: onnx.ModelProto, head: BlockWeight, name: str = "logits_flat") -> int:

@@ -39,6 +39,13 @@ class BlockWeight:
         lo, hi = self.q & 0x0F, self.q >> 4
         return np.stack([lo, hi], axis=-1).reshape(*self.q.shape[:2], self.block)
 
+    def signed_codes(self) -> np.ndarray:
+        """The codes centred to signed integers, as W's layout [K, N] int8 (the padding of the last
+        block dropped): with scales.T, what `DequantizeLinear` (axis 0, block_size `block`, no
+        zero point) reads."""
+        centred = self.codes().astype(np.int16) - (1 << (self.bits - 1))  # [N, blocks, block]
+        return np.ascontiguousarray(centred.reshape(centred.shape[0], -1)[:, :self.k].T.astype(np.int8))
+
     def dequantize(self) -> np.ndarray:
         """W [K, N] float32, in the order of operations every graph form computes."""
         centred = self.codes().astype(np.float32) - float(1 << (self.bits - 1))  # [N, blocks, block]

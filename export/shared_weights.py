@@ -33,9 +33,11 @@ INLINE_BELOW = 1024  # bytes: smaller tensors stay inside the .onnx file
 def narrow_bf16(graph: onnx.GraphProto) -> None:
     """Store the graph's bf16-exact float initializers (of at least INLINE_BELOW bytes) as bf16,
     each widened by a Cast to its old name at the top of the graph that holds it. Inputs of
-    ONNX Runtime's contrib ops (MatMulNBits' scales) stay as they are: those kernels pack their
+    ONNX Runtime's contrib ops (MatMulNBits' scales) and of `DequantizeLinear` stay as they are:
+    those kernels, and the fusion of DequantizeLinear → MatMul into MatMulNBits, take their
     constant inputs as they find them in the file."""
-    contrib = {i for g in subgraphs(graph) for n in g.node if n.domain for i in n.input}
+    contrib = {i for g in subgraphs(graph) for n in g.node if n.domain or n.op_type == "DequantizeLinear"
+               for i in n.input}
     for g in subgraphs(graph):
         casts = []
         for t in g.initializer:

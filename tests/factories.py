@@ -240,12 +240,28 @@ def assert_rows_invariant(engine, prompts: list[str], S: int = 8) -> None:
 
 
 def assert_symmetric_matmulnbits(graph_path) -> int:
-    """Every `MatMulNBits` of an exported graph has no zero points (input 3): zero points take the
-    asymmetric int8 kernel of onnxruntime issue #29853, wrong at M = 1 on AVX2. Returns how many
-    nodes it checked."""
-    import onnx
+    """The graph as the runtime's sessions run it (ONNX Runtime's optimizations with the
+    runtime's session options) holds no `DequantizeLinear` (each was fused with its MatMul into
+    `MatMulNBits`: the exported form is QDQ) and no `MatMulNBits` with zero points (input 3):
+    zero points take the asymmetric int8 kernel of onnxruntime issue #29853, wrong at M = 1 on
+    AVX2. Returns how many `MatMulNBits` it checked."""
+    import tempfile
+    from pathlib import Path
 
-    nodes = [n for n in onnx.load(str(graph_path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    import onnx
+    import onnxruntime as ort
+
+    from dspark.runtime.backends.onnxruntime import session_options
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = session_options(1)
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(str(graph_path), so, providers=["CPUExecutionProvider"])
+        graph = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
+    left = [n.name for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert not left, f"DequantizeLinear not fused into MatMulNBits: {left[:5]}"
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
     for n in nodes:
         assert len(n.input) < 4 or not n.input[3], f"{n.name} has zero points ({n.input[3]}): onnxruntime #29853"
     return len(nodes)

@@ -7,9 +7,12 @@ with the bits it gets alone (docs/quantization.md). Against the torch reference 
 on the same dequantized weights) it agrees within the activation rounding."""
 from __future__ import annotations
 
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -77,12 +80,12 @@ def test_splitting_blocks_keeps_every_weight():
 
 # --- the ONNX Runtime lowering ---------------------------------------------------------------------
 
-def block_session(w: BlockWeight) -> ort.InferenceSession:
+def block_session(w: BlockWeight, accuracy_level: int | None = None) -> ort.InferenceSession:
     from onnx import TensorProto as TP
     from onnx import helper
 
     g = Builder()
-    block_matmul(g, "x", w, "y")
+    block_matmul(g, "x", w, "y", accuracy_level)
     K, N = w.shape
     graph = helper.make_graph(g.nodes, "one", [helper.make_tensor_value_info("x", TP.FLOAT, ["M", K])],
                               [helper.make_tensor_value_info("y", TP.FLOAT, ["M", N])], g.inits)
@@ -107,6 +110,75 @@ def test_block_matmul_computes_the_weight_and_keeps_rows_apart(form):
     solo = s.run(None, {"x": x[:1]})[0]
     crowded = s.run(None, {"x": np.concatenate([x[:1], 100 * x[1:]])})[0][:1]
     np.testing.assert_allclose(crowded, solo, rtol=1e-5, atol=1e-5 * np.abs(solo).max())
+
+
+@pytest.mark.parametrize("form", ["q4_1", "q8_0", "rtn4_odd_k"])
+def test_the_portable_qdq_form_runs_the_kernel_of_matmulnbits_bit_for_bit(form):
+    """block_matmul writes DequantizeLinear (signed int4/int8, blocked along K) → MatMul, which
+    TensorRT reads; ONNX Runtime's sessions fuse it into the symmetric MatMulNBits, so it gives
+    the bits of MatMulNBits written directly at ACCURACY_LEVEL, at every M."""
+    from dspark.export.ort_graph import ACCURACY_LEVEL
+
+    rng = np.random.default_rng(5)
+    K = 96 if form == "rtn4_odd_k" else 128  # 96 = 1.5 blocks of 64: a padded last block
+    w = rng.normal(0, 1, (48, K)).astype(np.float32)  # [N, K]
+    bw = {"q4_1": lambda: from_q4_1(quants.quantize(w, GGMLQuantizationType.Q4_1), K),
+          "q8_0": lambda: from_q8_0(quants.quantize(w, GGMLQuantizationType.Q8_0), K),
+          "rtn4_odd_k": lambda: quantize_rtn(w.T, 4, 64)}[form]()
+    qdq, direct = block_session(bw), block_session(bw, ACCURACY_LEVEL)
+    for M in (1, 2, 5, 16):
+        x = rng.normal(0, 1, (M, K)).astype(np.float32)
+        np.testing.assert_array_equal(qdq.run(None, {"x": x})[0], direct.run(None, {"x": x})[0])
+
+
+def test_the_quantized_linears_pass_the_tensorrt_operator_check(tmp_path):
+    """block_matmul's graph (GGUF Q4_1 with its minimum term, Q8_0, RTN int4) holds only what
+    TensorRT 11's parser reads (export/tensorrt_ops.py: DequantizeLinear with a zero zero point,
+    constant scales, blocks along K): a static check, never a TensorRT build."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    from dspark.export.tensorrt_ops import check_graph
+
+    rng = np.random.default_rng(7)
+    w = rng.normal(0, 1, (48, 128)).astype(np.float32)  # [N, K]
+    g = Builder()
+    for name, bw in (("q4_1", from_q4_1(quants.quantize(w, GGMLQuantizationType.Q4_1), 128)),
+                     ("q8_0", from_q8_0(quants.quantize(w, GGMLQuantizationType.Q8_0), 128)),
+                     ("rtn4", quantize_rtn(w.T, 4, 64))):
+        block_matmul(g, "x", bw, name)
+    graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["M", 128])],
+                              [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in ("q4_1", "q8_0", "rtn4")],
+                              g.inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "g.onnx"))
+    assert check_graph(tmp_path / "g.onnx") == []
+
+
+def test_a_tied_embedding_gathers_the_heads_bytes_bit_for_bit():
+    """block_gather reads the LM head's int8 codes (a copy by name, so the head's DequantizeLinear
+    still fuses) and dequantizes each row as BlockWeight.dequantize does: the same bits."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    from dspark.export.ort_graph import block_gather
+
+    rng = np.random.default_rng(6)
+    w = rng.normal(0, 1, (50, 128)).astype(np.float32)  # [V, d]: the tied table
+    head = from_q8_0(quants.quantize(w, GGMLQuantizationType.Q8_0), 128)  # W [d, V]
+    g = Builder()
+    block_gather(g, "ids", head, "logits_flat", "rows")
+    block_matmul(g, "x", head, "logits")
+    graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info("ids", TP.INT64, ["B", "S"]),
+                                             helper.make_tensor_value_info("x", TP.FLOAT, ["M", 128])],
+                              [helper.make_tensor_value_info("rows", TP.FLOAT, None),
+                               helper.make_tensor_value_info("logits", TP.FLOAT, None)], g.inits)
+    path = Path(tempfile.mkdtemp()) / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    assert assert_symmetric_matmulnbits(path) == 1  # the head fused although its bytes are gathered too
+    s = ort.InferenceSession(str(path), session_options(1), providers=["CPUExecutionProvider"])
+    ids = np.array([[3, 0, 49], [7, 7, 1]])
+    rows = s.run(["rows"], {"ids": ids, "x": np.zeros((1, 128), np.float32)})[0]
+    np.testing.assert_array_equal(rows, head.dequantize().T[ids])
 
 
 # --- precisions ------------------------------------------------------------------------------------
@@ -187,8 +259,8 @@ def test_manifest_records_the_precision(int4_bundle):
     m = Manifest.load(int4_bundle)
     assert m.precision == "int4"
     assert m.extra["precision"] == {"name": "int4", "layers": "4-bit b64", "lm_head": "8-bit b64", "accuracy_level": 4}
-    assert "com.microsoft::MatMulNBits" in m.extra["ops"]["target_ort"]
-    assert assert_symmetric_matmulnbits(int4_bundle / "target_ort.onnx") > 0
+    assert "ai.onnx::DequantizeLinear" in m.extra["ops"]["target_ort"]  # the portable form, fused when run:
+    assert assert_symmetric_matmulnbits(int4_bundle / "target_ort.onnx") == 4 * m.target.num_layers + 1
 
 
 @pytest.mark.parametrize("scheduler", ["none", "fixed", "cost"])
@@ -253,8 +325,8 @@ def test_int8_target_graph_matches_the_engine_alone(tiny_bundle):
     with torch.no_grad():
         proto = build_target_ort(target, (), weights)
     ops = {n.op_type for n in proto.graph.node}
-    assert "MatMulNBits" in ops and "Gemm" not in ops
-    assert sum(n.op_type == "MatMulNBits" for n in proto.graph.node) == 4 * target.cfg.num_layers + 1
+    assert "DequantizeLinear" in ops and "Gemm" not in ops
+    assert sum(n.op_type == "DequantizeLinear" for n in proto.graph.node) == 4 * target.cfg.num_layers + 1
 
 
 def test_validate_compares_a_quantized_bundle_with_its_reference(int4_bundle, tiny_bundle, capsys, one_torch_thread):

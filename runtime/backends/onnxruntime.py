@@ -34,6 +34,9 @@ def key_count(needed: int, max_seq: int) -> int:
     return min(-(-needed // KEY_ALIGN) * KEY_ALIGN, max_seq)
 
 
+QDQ_ACCURACY_LEVEL = 4  # MatMulNBits' int8-activation kernel (docs/quantization.md)
+
+
 def session_options(threads: int | None) -> ort.SessionOptions:
     """The target and drafter run one after the other, never at once. Two per-session pools
     would spin against each other on a small machine (docs/results.md), so every session of the
@@ -47,6 +50,9 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     so.use_per_session_threads = False
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # a quantized target's DequantizeLinear → MatMul becomes MatMulNBits with int8 activations
+    # per block (export/ort_graph.block_matmul): the fast kernel that keeps rows apart
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(QDQ_ACCURACY_LEVEL))
     return so
 
 
