@@ -120,6 +120,8 @@ class Responder(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
     def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
                max_new_tokens: int) -> list[tuple[list[int], bool]]: ...
 
@@ -132,6 +134,9 @@ class TransformersResponder:
 
     def encode(self, text: str) -> list[int]:
         return chat_ids(self.tokenizer, text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
                max_new_tokens: int) -> list[tuple[list[int], bool]]:
@@ -148,6 +153,9 @@ class EngineResponder:
 
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids)
 
     def answer(self, prompts_ids: list[list[int]], temperature: float, seeds: list[int],
                max_new_tokens: int) -> list[tuple[list[int], bool]]:
@@ -275,12 +283,12 @@ def first_question(text: str) -> str:
     return ""
 
 
-def synthesize_prompts(model, tokenizer, seeds: list[Prompt], n: int, *, batch: int = 8, max_new_tokens: int = 96,
+def synthesize_prompts(responder: Responder, seeds: list[Prompt], n: int, *, batch: int = 8, max_new_tokens: int = 96,
                        seed: int = 0, min_chars: int = 15, exclude: Iterable[str] = (),
                        progress: bool = True) -> list[Prompt]:
-    """Up to `n` distinct user requests written by the target itself (T = 1), each asked for
-    with a random alpaca seed task and alternately a chat or a code kind; none equal to a
-    seed or to a text in `exclude`."""
+    """Up to `n` distinct user requests written by the target itself (T = 1, through
+    `responder`: transformers or the deployed engine), each asked for with a random alpaca seed
+    task and alternately a chat or a code kind; none equal to a seed or to a text in `exclude`."""
     from tqdm import tqdm
 
     if not seeds:
@@ -294,12 +302,12 @@ def synthesize_prompts(model, tokenizer, seeds: list[Prompt], n: int, *, batch: 
         jobs = []
         for _ in range(batch):
             source, kind = SYNTH_KINDS[attempts % len(SYNTH_KINDS)]
-            jobs.append((source, chat_ids(tokenizer, SYNTH_TEMPLATE.format(seed=rng.choice(seeds).text, kind=kind))))
+            jobs.append((source, responder.encode(SYNTH_TEMPLATE.format(seed=rng.choice(seeds).text, kind=kind)),
+                         seed * 1_000_003 + attempts))
             attempts += 1
-        answers = generate_batch(model, tokenizer, [ids for _, ids in jobs], 1.0, max_new_tokens,
-                                 seed * 1_000_003 + attempts)
-        for (source, _), (ids, _) in zip(jobs, answers):
-            q = first_question(tokenizer.decode(ids, skip_special_tokens=True))
+        answers = responder.answer([ids for _, ids, _ in jobs], 1.0, [s for _, _, s in jobs], max_new_tokens)
+        for (source, _, _), (ids, _) in zip(jobs, answers):
+            q = first_question(responder.decode(ids))
             if len(q) >= min_chars and q not in seen and len(out) < n:
                 seen.add(q)
                 out.append(Prompt(q, source))

@@ -289,21 +289,22 @@ def cmd_generate(args) -> int:
                                     dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
         return loaded
 
+    def responder():  # the deployed engine with --engine, else transformers
+        return EngineResponder(engine, args.scheduler) if engine is not None else TransformersResponder(*generator())
+
     if args.self_prompts:
         path = data / "prompts-self.jsonl"
         have = read_prompts(path) if path.exists() else []
         if len(have) < args.self_prompts:
-            model, tok = generator()
             seeds = [p for p in load_train_prompts(args.prompts) if p.source == "alpaca-seed-tasks"] or prompts
-            new = synthesize_prompts(model, tok, seeds, args.self_prompts - len(have), batch=args.batch,
+            new = synthesize_prompts(responder(), seeds, args.self_prompts - len(have), batch=args.batch,
                                      seed=args.seed + len(have), exclude=taken)
             write_prompts(have + new, path)
             have = have + new
         prompts = prompts + have
     cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
                            batch=args.batch, seed=args.seed)
-    responder = EngineResponder(engine, args.scheduler) if engine is not None else TransformersResponder(*generator())
-    n = generate_responses(responder, prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
+    n = generate_responses(responder(), prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
 
@@ -567,8 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the target's own up to bf16 rounding)")
     q.add_argument("--engine", default=None, metavar="BUNDLE", help="answer through this bundle's engine (the "
                    "deployed target, e.g. engines/smollm2: the gguf graph with int8 activations) instead of "
-                   "transformers; --batch requests at a time over --slots concurrent slots. Self-prompts are "
-                   "still written by transformers")
+                   "transformers; --batch requests at a time over --slots concurrent slots; self-prompts too")
     q.add_argument("--slots", type=int, default=8, help="--engine: requests decoded at once (default 8)")
     q.add_argument("--scheduler", default="auto", help="--engine: the decoding scheduler (default auto; none = "
                    "the target alone)")

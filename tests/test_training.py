@@ -496,6 +496,11 @@ def test_responses_through_the_engine(tiny_bundle, tmp_path):
         assert r["finished"] == (solo.finish_reason == "stop")
         if r["finished"]:
             assert r["response_ids"][-1] in alone.manifest.stop_token_ids
+    # the engine writes self-prompts too (T = 1, each from its own seed): reproducible by seed
+    writer = EngineResponder(Engine.load(tiny_bundle.path, max_seq=512, slots=2), "fixed")  # the template is long
+    synth = [synthesize_prompts(writer, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False, seed=4)
+             for _ in range(2)]
+    assert synth[0] == synth[1] and len(synth[0]) > 0 and all(p.source.startswith("self:") for p in synth[0])
 
 
 def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
@@ -554,7 +559,7 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     assert k24["draft_vocab"] == 24 and row["draft_vocab"] == 0 and k24["sequences"] == 4
     assert k24["tv"] != row["tv"] and 0 <= min(k24["acceptance"]) <= max(k24["acceptance"]) <= 1
 
-    synth = synthesize_prompts(model, tok, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
+    synth = synthesize_prompts(responder, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
     assert len(synth) <= 2 and all(p.source.startswith("self:") for p in synth)
     with pytest.raises(DataError, match="no usable"):
         OnTheFlySource(t, [{**r0, "response_ids": r0["response_ids"][:1]}], LAYER_IDS)
