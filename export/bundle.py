@@ -24,6 +24,7 @@ from .draft_vocab import COUNTS_FILE, choose_vocab, load_counts
 from .drafter import Drafter, init_drafter
 from .onnx_export import export_drafter, export_target, graph_ops, greedy_from_cond, quiet_exporters
 from .ort_graph import ACCURACY_LEVEL, embed_from_blocks, export_drafter_ort, export_target_ort, supports_ort_graph
+from .portable_qdq import qdq_portable, traced_blocks
 from .precision import dequantize_into, describe, resolve, target_weights
 from .shared_weights import WEIGHTS_FILE, share_weights
 from .target_loader import LoadedTarget, default_target_path, gguf_parsed_once, load_target
@@ -167,9 +168,11 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
         head = weights.get("lm_head.weight")
         shared_head = head is not None and target.model.cfg.tie_word_embeddings
 
-        def rewrite(graph: str, model) -> None:  # the drafter gathers its embedding from the target's blocks
-            if shared_head and graph.startswith("drafter"):
+        def rewrite(graph: str, model) -> None:
+            if shared_head and graph.startswith("drafter"):  # the drafter gathers its embedding from the target's blocks
                 embed_from_blocks(model, head)
+            if weights and graph == graphs.get("target"):  # the portable graph reads the blocks too
+                qdq_portable(model, traced_blocks(target.model, weights))
 
         share_weights(tmp, list(graphs.values()), rewrite)
         ops = {role: graph_ops(tmp / f) for role, f in graphs.items()}

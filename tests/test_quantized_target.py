@@ -314,6 +314,56 @@ def test_quantized_bundle_refuses_what_would_run_another_arithmetic(int4_bundle,
     assert not (tmp_path / "b").exists()
 
 
+def _portable_feeds(session: ort.InferenceSession, rng: np.random.Generator, vocab: int) -> dict[str, np.ndarray]:
+    """Inputs of the portable target graph: 2 requests of 5 tokens after 3 cached positions."""
+    B, S, P = 2, 5, 3
+    sizes = {"batch": B, "query": S, "rows": 2, "past": P, "max_seq": 16}
+    feeds = {"input_ids": rng.integers(0, vocab, (B, S)), "positions": np.tile(np.arange(P, P + S), (B, 1)),
+             "logit_index": np.tile(np.array([0, S - 1]), (B, 1)), "past_mask": np.zeros((B, P), np.float32)}
+    for i in session.get_inputs():
+        if i.name not in feeds:  # the cache
+            feeds[i.name] = rng.standard_normal([sizes.get(d, d) for d in i.shape]).astype(np.float32)
+    return feeds
+
+
+def test_the_portable_graph_of_a_quantized_bundle_reads_the_blocks(tiny_bundle, int4_bundle, tmp_path):
+    """`--portable` on an int4 bundle: the traced target.onnx holds DequantizeLinear of the blocks
+    (4 per layer, the head and the tied embedding's rows) instead of fp32 matrices, passes the
+    TensorRT 11 operator check, shares the blocks the ONNX Runtime graph also reads (weights.bin
+    grows by the codes only the trace's fused q·scale/k/v and o hold), and computes what the trace
+    of the dequantized model computes, within int8 activation rounding."""
+    from dspark.export import load_target
+    from dspark.export.bundle import export_bundle
+    from dspark.export.onnx_export import export_target
+    from dspark.export.tensorrt_ops import check_graph
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_bundle(tmp_path / "b", tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False,
+                      quick_profile=False, precision="int4", portable=True)
+    path = tmp_path / "b" / "target.onnx"
+    graph = onnx.load(str(path), load_external_data=False).graph
+    target = load_target(tiny_bundle.target_dir).model
+    c = target.cfg
+    tied = c.tie_word_embeddings  # an untied embedding table stays fp32, as in the ONNX Runtime graph
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == 4 * c.num_layers + 1 + tied
+    matrices = [tuple(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                and len(t.dims) == 2 and min(t.dims) >= c.hidden_size]
+    assert matrices == ([] if tied else [(c.vocab_size, c.hidden_size)])  # no fp32 weight matrix left
+    assert check_graph(path) == []
+    with_portable, without = ((b / "weights.bin").stat().st_size for b in (tmp_path / "b", int4_bundle))
+    assert without < with_portable < 1.1 * without
+
+    dequantize_into(target, target_weights(target, tiny_bundle.target_dir, "int4"))
+    with torch.inference_mode(False), torch.no_grad():
+        export_target(target, Manifest.load(int4_bundle).drafter.target_layer_ids, tmp_path / "fp32.onnx")
+    qdq, fp32 = (ort.InferenceSession(str(p), session_options(1), providers=["CPUExecutionProvider"])
+                 for p in (path, tmp_path / "fp32.onnx"))
+    feeds = _portable_feeds(fp32, np.random.default_rng(0), target.cfg.vocab_size)
+    for a, b in zip(qdq.run(None, feeds)[:2], fp32.run(None, feeds)[:2]):  # logits, features
+        assert np.abs(a - b).max() <= 0.05 * np.abs(b).max()
+
+
 def test_int8_target_graph_matches_the_engine_alone(tiny_bundle):
     """int8 at graph level (no second bundle): the lowering of every linear weight and the head."""
     from dspark.export import load_target
