@@ -38,6 +38,17 @@ heap: dict[int, np.ndarray] = {}  # "device" address -> host array (HostDevice a
 calls: list[tuple] = []  # every recorded call, in order; tests clear it
 
 
+def at(address: int, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+    """The memory at `address` seen as an array of `shape` (what TensorRT reads and writes through
+    a tensor address and a shape: a slice of an allocation too), or None outside every allocation."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    for base, array in heap.items():
+        if base <= address and address + size <= base + array.nbytes:
+            return np.ndarray(shape, dtype, buffer=array.data, offset=address - base)
+    return None
+
+
 class Logger:
     WARNING = 2
 
@@ -229,7 +240,7 @@ class IExecutionContext:
 
     def set_tensor_address(self, name: str, memory: int) -> bool:
         self.addresses[name] = memory
-        return memory in heap
+        return at(memory, (1,), np.uint8) is not None
 
     def get_tensor_shape(self, name: str) -> tuple:
         symbols = {}
@@ -242,12 +253,15 @@ class IExecutionContext:
     def execute_async_v3(self, stream_handle: int) -> bool:
         if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED and not self.device_memory_set:
             return False
-        feeds = {i.name: heap[self.addresses[i.name]] for i in self.engine.session.get_inputs()}
-        if any(feeds[n].shape != self.shapes[n] for n in feeds):
+        inputs = self.engine.session.get_inputs()
+        if any(i.name not in self.shapes for i in inputs):
+            return False
+        feeds = {i.name: at(self.addresses[i.name], self.shapes[i.name], ORT_TYPES[i.type]) for i in inputs}
+        if any(v is None for v in feeds.values()):
             return False
         outs = self.engine.session.run(None, feeds)
         for o, value in zip(self.engine.session.get_outputs(), outs):
-            np.copyto(heap[self.addresses[o.name]], value)
+            np.copyto(at(self.addresses[o.name], value.shape, value.dtype), value)
         self.executions += 1
         return True
 

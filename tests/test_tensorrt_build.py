@@ -210,5 +210,30 @@ def test_tensorrt_backend_glue_on_the_fake(bundle, fake_trt):
         assert all(c.strategy == fake_trt.ExecutionContextAllocationStrategy.USER_MANAGED for c in step.engine.contexts)
     with pytest.raises(InputError, match="built for max_seq 320"):
         tensorrt_backend(bundle, m, max_seq=256, device=fake_trt.HostDevice())
-    with pytest.raises(BackendError, match="slots=2 .* not ported"):
+    with pytest.raises(InputError, match="slots=2: .* serve 1 to 1 .*--max-batch 2"):
         tensorrt_backend(bundle, m, device=fake_trt.HostDevice(), slots=2)
+
+
+def test_tensorrt_backend_serves_concurrent_requests_on_the_fake(bundle, fake_trt):
+    """Engines built with --max-batch 4 serve R = 4 requests at once through the shared GPU layer:
+    verification at batch buckets 1..4 under the verify profile, prefill at batch 1, and every
+    greedy and sampled output equal to the same request served alone (on the fake, which runs the
+    graphs with ONNX Runtime: our side of the calls, not TensorRT)."""
+    from dspark.runtime import FixedLength, Request, SamplingParams, generate, generate_batch
+    from dspark.runtime.backends.tensorrt.backend import tensorrt_backend
+
+    trt_build.build_tensorrt(bundle, max_seq=256, max_batch=4, prefill_chunk=32, timing_cache=bundle / "t.cache",
+                             log=lambda s: None)
+    m = Manifest.load(bundle)
+    prompts = [list(range(5, 40)), [7, 8, 9], list(range(50, 90)) * 2, [11, 3, 42, 42, 9], [60, 61]]
+    for T in (0.0, 1.0):
+        params = [SamplingParams(T, n, seed=i) for i, n in enumerate([30, 12, 30, 24, 30])]
+        be = tensorrt_backend(bundle, m, device=fake_trt.HostDevice(), slots=4)
+        got = generate_batch(be, [Request(p, q) for p, q in zip(prompts, params)], FixedLength())
+        for prompt, q, g in zip(prompts, params, got):
+            alone = generate(tensorrt_backend(bundle, m, device=fake_trt.HostDevice()), prompt, q, FixedLength())
+            assert g.token_ids == alone.token_ids, (T, prompt)
+        assert max(g.stats.batch[0] for g in got) == 4 and min(min(g.stats.batch) for g in got) < 4
+        assert {c.profile for c in be._target.step.engine.contexts} == {0, 1}
+    with pytest.raises(InputError, match="slots=5: .* serve 1 to 4"):
+        tensorrt_backend(bundle, m, device=fake_trt.HostDevice(), slots=5)

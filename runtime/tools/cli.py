@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 (default) or tf32 on fp32 graphs; fp16/bf16 need graphs exported in that type")
     p.add_argument("--max-seq", type=int, default=None, help="KV rows and longest context (default: 2048 or the "
                    "model's limit)")
-    p.add_argument("--max-batch", type=int, default=1, help="largest verification batch (default 1; the TensorRT "
-                   "backend serves one request for now)")
+    p.add_argument("--max-batch", type=int, default=1, help="largest verification batch: the TensorRT backend "
+                   "then serves up to this many requests at once, --slots (default 1)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call (default 512)")
     p.add_argument("--timing-cache", default=None, help="timing cache file, reused across builds (default: "
                    "~/.cache/dspark/tensorrt-<version>-sm<cc>.timing)")

@@ -124,14 +124,16 @@ class TrtStep:
 
 def tensorrt_backend(bundle: str | Path, manifest: Manifest, max_seq: int | None = None, graphs: bool = True,
                      speculative: bool = True, device: PointerDevice | None = None, slots: int = 1) -> GraphBackend:
-    """device: where the buffers live (default: a `CupyDevice` on the current GPU). slots: 1 (the
-    shared GPU layer serves several, but the engines' profiles and contexts for batches are not
-    wired to it: more raises a BackendError)."""
-    if slots != 1:  # before any GPU work
-        raise BackendError(f"the TensorRT backend serves one request at a time: slots={slots} (concurrent "
-                           f"requests) is not ported to its engines yet; use the onnxruntime backend for that")
+    """device: where the buffers live (default: a `CupyDevice` on the current GPU). slots: requests
+    served at once (the shared GPU layer's batch buckets), at most the `--max-batch` the engines'
+    verification profile was built for; prefill calls run at batch 1 (the prefill profile)."""
     bundle = Path(bundle)
     meta = engine_meta(manifest, bundle)
+    built = meta.get("shapes", {}).get("max_batch", 1)
+    if not 1 <= slots <= built:  # before any GPU work
+        raise InputError(f"slots={slots}: the engines in {bundle} serve 1 to {built} requests at once (their "
+                         f"profiles' max_batch); rebuild for {max(slots, 1)}: "
+                         f"{rebuild_command(bundle, {**meta, 'shapes': {**meta['shapes'], 'max_batch': max(slots, 1)}})}")
     trt = import_tensorrt()
     device = device or CupyDevice()
     shapes = check_compatible(meta, bundle, trt.__version__, device.info.compute, device.info.name)
@@ -149,4 +151,4 @@ def tensorrt_backend(bundle: str | Path, manifest: Manifest, max_seq: int | None
         steps[role] = TrtStep(trt, runtime, engine, device, shapes, rows_input)
     return GraphBackend(device, manifest.target, manifest.drafter if speculative else None, steps["target"],
                         steps["drafter"] if speculative else None,
-                        Buckets(shapes.max_seq, shapes.max_query, shapes.prefill_chunk), graphs)
+                        Buckets(shapes.max_seq, shapes.max_query, shapes.prefill_chunk, max_batch=slots), graphs)
