@@ -172,7 +172,10 @@ def export_bundle(out: str | Path, target_path: str | Path | None = None, drafte
             if shared_head and graph.startswith("drafter"):  # the drafter gathers its embedding from the target's blocks
                 embed_from_blocks(model, head)
             if weights and graph == graphs.get("target"):  # the portable graph reads the blocks too
-                qdq_portable(model, traced_blocks(target.model, weights))
+                _, left = qdq_portable(model, traced_blocks(target.model, weights))
+                if left:
+                    warnings.warn(f"{left} weight matrices of the portable graph stay fp32: their blocks do not give "
+                                  f"the traced numbers exactly (export/portable_qdq.py)")
 
         share_weights(tmp, list(graphs.values()), rewrite)
         ops = {role: graph_ops(tmp / f) for role, f in graphs.items()}

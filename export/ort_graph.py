@@ -98,6 +98,20 @@ def qdq_weight(g: Builder, w: BlockWeight, name: str, suffix: str = "") -> tuple
     return codes, scales
 
 
+def dequantize_linear(g: Builder, w: BlockWeight, name: str, out: str) -> str:
+    """`out` = W [K, N] as `DequantizeLinear` of `qdq_weight`'s initializers."""
+    codes, scales = qdq_weight(g, w, name)
+    return g.op("DequantizeLinear", [codes, scales], out, axis=0, block_size=w.block)
+
+
+def block_sums(g: Builder, x: str, w: BlockWeight, name: str) -> str:
+    """x's sums per block of W's K [..., K/block]: one GEMM by the 0/1 matrix of block membership
+    (W's minimum term is these sums · its offsets)."""
+    K = w.k
+    members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
+    return g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{name}_sums")
+
+
 def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: int | None = None) -> str:
     """x [M, K] · W [K, N] (quant.py), plus x's per-block sums · offsets [K/block, N] when W has
     offsets (GGUF Q4_1's minimum, kept exactly). W is `DequantizeLinear` of its signed int4/int8
@@ -110,15 +124,13 @@ def block_matmul(g: Builder, x: str, w: BlockWeight, name: str, accuracy_level: 
     K, N = w.shape
     y = name if w.offsets is None else f"{name}_sym"
     if accuracy_level is None:
-        codes, scales = qdq_weight(g, w, name)
-        g.op("MatMul", [x, g.op("DequantizeLinear", [codes, scales], f"{name}_w", axis=0, block_size=w.block)], y)
+        g.op("MatMul", [x, dequantize_linear(g, w, name, f"{name}_w")], y)
     else:
         g.op("MatMulNBits", [x, g.const(f"{name}.nbits", w.q), g.const(f"{name}.nbits_scales", w.scales)], y,
              domain=MS, K=K, N=N, bits=w.bits, block_size=w.block, accuracy_level=accuracy_level)
     if w.offsets is None:
         return y
-    members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
-    sums = g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{name}_sums")  # [M, K/block]
+    sums = block_sums(g, x, w, name)  # [M, K/block]
     return g.op("Gemm", [sums, g.weight(f"{name}.offsets", w.offsets), y], name)  # sums · offsets + y
 
 

@@ -6,20 +6,22 @@ blocks back: each weight matrix the trace holds that equals a `BlockWeight`'s de
 becomes `DequantizeLinear` of its signed codes (ort_graph.qdq_weight: the initializers of the
 ONNX Runtime graph, so a bundle stores the shared ones once) feeding the same `MatMul`, plus the
 Q4_1 minimum's block-sum term. The tied embedding's `Gather`, and the head where the trace
-multiplies by the table's `Transpose` instead of a transposed copy, read the head's blocks. What the trace fuses differently from the ONNX Runtime graph (q in its natural head
-order with the attention scale folded in; o's input rows in that order) keeps codes of its own.
+multiplies by the table's `Transpose` instead of a transposed copy, read the head's blocks. What
+the trace fuses differently from the ONNX Runtime graph (q in its natural head order with the
+attention scale folded in; o's input rows in that order) keeps codes of its own.
 
 A weight is put back only where its blocks give exactly the trace's numbers: q with the scale
 folded in needs the scale to be a power of two (head size 64: 1/8); otherwise that matrix stays
 fp32 and `qdq_portable` says how many did."""
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 import onnx
 
-from .ort_graph import Builder, qdq_weight
+from .ort_graph import Builder, block_sums, dequantize_linear
 from .precision import linear_names
 from .quant import BlockWeight, concat_n
 from .target import TargetModel
@@ -27,6 +29,11 @@ from .tensorrt_ops import subgraphs
 
 QDQ_OPSET = 21  # blocked and int4 DequantizeLinear
 QDQ_IR = 10  # int4 tensors
+
+
+def _digest(a: np.ndarray) -> bytes:
+    """A key of an fp32 matrix's values (not a copy of its bytes)."""
+    return hashlib.sha256(np.ascontiguousarray(a, np.float32).data).digest()
 
 
 def scaled(w: BlockWeight, s: float) -> BlockWeight:
@@ -55,13 +62,12 @@ def traced_blocks(model: TargetModel, weights: dict[str, BlockWeight]) -> list[B
 
 def qdq_portable(model: onnx.ModelProto, blocks: list[BlockWeight]) -> tuple[int, int]:
     """Rewrite the traced graph in place (see the module docstring); returns (matrices put back
-    as blocks, fp32 matrices left)."""
-    by_bytes = {w.dequantize().tobytes(): w for w in blocks}
+    as blocks, MatMul weights of a quantized shape left fp32)."""
+    by_digest = {_digest(w.dequantize()): w for w in blocks}
     shapes = {w.shape for w in blocks}
-    head = next((w for w in blocks if w.bits == 8 and w.offsets is None), None)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    g, nodes, done, dropped = Builder(), [], 0, set()
+    g, nodes, done, left, dropped = Builder(), [], 0, 0, set()
 
     def blocks_of(name: str, transposed: bool = False) -> BlockWeight | None:
         t = inits.get(name)
@@ -71,35 +77,32 @@ def qdq_portable(model: onnx.ModelProto, blocks: list[BlockWeight]) -> tuple[int
         if dims not in shapes:
             return None
         arr = onnx.numpy_helper.to_array(t)
-        return by_bytes.get(np.ascontiguousarray(arr.T if transposed else arr).tobytes())
+        return by_digest.get(_digest(arr.T if transposed else arr))
 
     for node in graph.node:
         first = len(g.nodes)
         w = blocks_of(node.input[1]) if node.op_type == "MatMul" else None
-        table = blocks_of(node.input[0], transposed=True) if node.op_type == "Gather" and head is not None else None
+        table = blocks_of(node.input[0], transposed=True) if node.op_type == "Gather" else None
         flipped = (blocks_of(node.input[0], transposed=True) if node.op_type == "Transpose"
                    and [list(a.ints) for a in node.attribute if a.name == "perm"] == [[1, 0]] else None)
         if flipped is not None and flipped.offsets is None:  # MatMul(x, Transpose(table)): the tied head
-            codes, scales = qdq_weight(g, flipped, "logits_flat")
-            g.op("DequantizeLinear", [codes, scales], node.output[0], axis=0, block_size=flipped.block)  # [d, V]
+            dequantize_linear(g, flipped, "logits_flat", node.output[0])  # [d, V]
         elif w is not None:
             x, y, name = node.input[0], node.output[0], node.input[1]
-            codes, scales = qdq_weight(g, w, name)
-            dq = g.op("DequantizeLinear", [codes, scales], f"{name}/dq", axis=0, block_size=w.block)
+            dq = dequantize_linear(g, w, name, f"{name}/dq")
             if w.offsets is None:
                 g.op("MatMul", [x, dq], y)
             else:  # [B, S, K]: the minimum term as MatMul + Add (Gemm is 2-D)
-                K = w.k
-                members = (np.arange(K)[:, None] // w.block == np.arange(-(-K // w.block))[None]).astype(np.float32)
-                sums = g.op("MatMul", [x, g.const(f"block_members_{K}_{w.block}", members)], f"{y}/sums")
                 g.op("Add", [g.op("MatMul", [x, dq], f"{y}/sym"),
-                             g.op("MatMul", [sums, g.weight(f"{name}.offsets", w.offsets)], f"{y}/minimum")], y)
-        elif table is not None:  # the tied embedding: rows of the head's blocks, dequantized
+                             g.op("MatMul", [block_sums(g, x, w, y), g.weight(f"{name}.offsets", w.offsets)],
+                                  f"{y}/minimum")], y)
+        elif table is not None and table.offsets is None:  # the tied embedding: the head's rows, dequantized
             name = node.input[0]
-            codes, scales = qdq_weight(g, table, "logits_flat")  # the head's own initializers
-            dq = g.op("DequantizeLinear", [codes, scales], f"{name}/dq", axis=0, block_size=table.block)  # [d, V]
+            dq = dequantize_linear(g, table, "logits_flat", f"{name}/dq")  # the head's own initializers, [d, V]
             g.op("Gather", [g.op("Transpose", [dq], f"{name}/rows", perm=[1, 0]), node.input[1]], node.output[0])
         else:
+            kept_weight = inits.get(node.input[1]) if node.op_type == "MatMul" else None
+            left += kept_weight is not None and tuple(kept_weight.dims) in shapes
             nodes.append(node)
             continue
         dropped.add(node.input[1] if node.op_type == "MatMul" else node.input[0])  # Gather, Transpose: the table
@@ -117,7 +120,5 @@ def qdq_portable(model: onnx.ModelProto, blocks: list[BlockWeight]) -> tuple[int
         if op.domain in ("", "ai.onnx"):
             op.version = max(op.version, QDQ_OPSET)
     model.ir_version = max(model.ir_version, QDQ_IR)
-    left = sum(1 for t in kept if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2
-               and tuple(t.dims) in shapes | {d[::-1] for d in shapes})
     return done, left
 

@@ -25,6 +25,7 @@ import json
 import lzma
 import random
 import re
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,8 +214,6 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
     """Answer every (prompt, temperature) not yet in `out_dir` with `responder`; returns how many
     were written. Prompts are sorted by length within a temperature so a batch pads little.
     `time_budget_s`: stop after the batch during which this many seconds have passed."""
-    import time
-
     from tqdm import tqdm
 
     out = Path(out_dir)

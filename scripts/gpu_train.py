@@ -48,12 +48,6 @@ def _stage(name: str, argv: list[str], report: dict) -> None:
         raise RuntimeError(f"{name} exited {rc}")
 
 
-def _responses(data: Path) -> list[dict]:
-    from dspark.export.train_data import read_responses
-
-    return read_responses(data / "responses")
-
-
 def _pack(work: Path, out: Path) -> list[str]:
     """DIR/drafter and the response shards (xz) -> out/result.tar.partNN (+ result.sha256)."""
     buf = io.BytesIO()
@@ -147,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                             "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.gen_batch),
                             "--dtype", args.gen_dtype, "--seed", str(args.seed), "--time-budget", f"{args.gen_minutes}m"],
                report)
-        recs = _responses(data)
+        from dspark.export.train_data import read_responses
+
+        recs = read_responses(data / "responses")
         tokens = sum(len(r["response_ids"]) for r in recs)
         report["data"] = {"responses": len(recs), "response_tokens": tokens,
                           "tokens_per_s": round(tokens / max(report["stages"]["generate"]["seconds"], 1e-9), 1)}

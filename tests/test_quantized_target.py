@@ -337,10 +337,11 @@ def test_the_portable_graph_of_a_quantized_bundle_reads_the_blocks(tiny_bundle, 
     from dspark.export.onnx_export import export_target
     from dspark.export.tensorrt_ops import check_graph
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         export_bundle(tmp_path / "b", tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False,
                       quick_profile=False, precision="int4", portable=True)
+    assert not [w for w in caught if "stay fp32" in str(w.message)]
     path = tmp_path / "b" / "target.onnx"
     graph = onnx.load(str(path), load_external_data=False).graph
     target = load_target(tiny_bundle.target_dir).model
