@@ -270,6 +270,7 @@ class HostDevice:
     """A `PointerDevice` on the host for the fake engines: numpy arrays registered in `heap`
     by address; `capture` records the body and re-runs it (no graph)."""
 
+    id = 0
     info = GpuInfo("fake GPU", (9, 0))
     name = "host (fake device)"
     stream_handle = 0

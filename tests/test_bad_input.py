@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from factories import TINY_SPS
 
-from dspark.runtime import BundleError, DSparkError, Engine, InputError
+from dspark.runtime import BackendError, BundleError, DSparkError, Engine, InputError
 from dspark.runtime.tools.cli import main
 
 PROMPT = "Hello there, how are you?"
@@ -172,7 +172,7 @@ ENGINE_CASES = {
     "max_seq_too_small": (["--max-seq", "1"], {"max_seq": 1}, InputError, "max_seq is 1"),
 }
 if "CUDAExecutionProvider" not in ort.get_available_providers():
-    ENGINE_CASES["provider_not_in_build"] = (["--provider", "cuda"], {"provider": "cuda"}, BundleError,
+    ENGINE_CASES["provider_not_in_build"] = (["--provider", "cuda"], {"provider": "cuda"}, BackendError,
                                              "not available")
 
 

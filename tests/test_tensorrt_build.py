@@ -169,7 +169,7 @@ def test_tensorrt_backend_refuses_to_open_here(bundle, fake_trt, capsys, monkeyp
 
 LEAN = import_blocker("torch", "tensorrt", "cupy", "polygraphy") + """
 import dspark.runtime.backends.tensorrt.backend, dspark.runtime.backends.tensorrt.build, dspark.runtime.backends.gpu.graph_backend
-import dspark.runtime.backends.gpu.cupy_device, dspark.runtime.tools.validate, dspark.runtime.tools.cli
+import dspark.runtime.backends.gpu.cupy_device, dspark.runtime.backends.ort_cuda, dspark.runtime.tools.validate, dspark.runtime.tools.cli
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED) + attempts))
 """
 

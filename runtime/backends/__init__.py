@@ -1,6 +1,7 @@
 """The engine backends, behind one registry that `Engine.load` and `dspark validate` share.
 
-    onnxruntime   the bundle's ONNX graphs on ONNX Runtime (CPU, or the CUDA execution provider)
+    onnxruntime   the bundle's ONNX graphs on ONNX Runtime: its CPU provider, or its CUDA provider over
+                  the shared GPU layer (ort_cuda.py)
     ort-portable  the same with the standard-op target graph (what TensorRT reads)
     tensorrt      engines built by `dspark build` on the shared GPU layer (gpu/, tensorrt/)
 
@@ -16,6 +17,7 @@ from .base import Backend, Draft, RunEvent, RunHook, StepBatch, Verdict
 from .timing import RunTimer
 
 DEFAULT_MAX_SEQ = 2048
+PROVIDERS = ("cpu", "cuda")  # ONNX Runtime's: the CPU (onnxruntime.py) or CUDA (ort_cuda.py, buffers on the GPU)
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,19 @@ def open_backend(name: str, bundle: Path, manifest: Manifest, options: BackendOp
         from .tensorrt.backend import tensorrt_backend
 
         return tensorrt_backend(bundle, manifest, options.max_seq, speculative=speculative, slots=options.slots)
-    from .onnxruntime import OrtBackend
-
+    if options.provider not in PROVIDERS:
+        raise InputError(f"unknown ONNX Runtime provider {options.provider!r}; choose one of {', '.join(PROVIDERS)}")
     max_seq = min(DEFAULT_MAX_SEQ, limit) if options.max_seq is None else options.max_seq
     target_graph = "portable" if name == "ort-portable" else options.target_graph
-    return OrtBackend(bundle, manifest, max_seq, options.provider, options.threads, speculative, target_graph,
-                      options.drafter_graph, options.slots)
+    if options.provider == "cuda":
+        from .ort_cuda import ort_cuda_backend
+
+        return ort_cuda_backend(bundle, manifest, max_seq, options.slots, speculative, options.threads, target_graph,
+                                options.drafter_graph)
+    from .onnxruntime import OrtBackend
+
+    return OrtBackend(bundle, manifest, max_seq, options.threads, speculative, target_graph, options.drafter_graph,
+                      options.slots)
 
 
 BACKENDS = ("onnxruntime", "ort-portable", "tensorrt")

@@ -15,7 +15,6 @@ from ..kv import KVBuffers, row_mask
 from ..manifest import Manifest
 from .base import Draft, RunEvent, RunHook, StepBatch, Verdict, verify_on_host
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Rows at temperature > 0: the int8 drafter graph drafts one call per busy row (see
 # `OrtBackend.draft`), the fp32 graph one call for all rows; `drafter_graph="auto"` takes int8 up to
 # this many slots and fp32 above, where one batched fp32 call costs less than int8 row by row
@@ -56,25 +55,30 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return so
 
 
+def open_session(path: Path, threads: int | None, providers: list) -> ort.InferenceSession:
+    """An ONNX Runtime session over a bundle graph, or a BundleError that says what to do."""
+    if not path.exists():
+        raise BundleError(f"bundle graph {path} is missing; re-run `dspark export`")
+    try:
+        return ort.InferenceSession(str(path), session_options(threads), providers=providers)
+    except Exception as e:  # onnxruntime raises its own types for corrupt files
+        if "Unsupported model IR version" in str(e) or "opset" in str(e).lower():
+            raise BundleError(f"cannot load {path}: it was written for a newer ONNX Runtime than this one "
+                              f"(onnxruntime {ort.__version__}): {e}; upgrade it: pip install "
+                              f"'onnxruntime>={MIN_ORT}'") from e
+        raise BundleError(f"cannot load {path} (or the weights it names in the bundle's weights.bin): {e}; "
+                          f"the bundle is damaged: export it again with `dspark export`") from e
+
+
 class _Graph:
     """One ONNX Runtime session over KV buffers. Each run covers a contiguous range of slots
     [lo, hi), whose buffer slices are bound once (cached per range). Graphs that write the
     cache in place (present_* outputs) get those outputs bound to the same memory."""
 
-    def __init__(self, path: Path, provider: str, threads: int | None, kv: KVBuffers, past_names: list[str],
+    def __init__(self, path: Path, threads: int | None, kv: KVBuffers, past_names: list[str],
                  expect: dict[str, dict[int, int]]):
-        if not path.exists():
-            raise BundleError(f"bundle graph {path} is missing; re-run `dspark export`")
         self.path = path
-        try:
-            self.session = ort.InferenceSession(str(path), session_options(threads), providers=[provider])
-        except Exception as e:  # onnxruntime raises its own types for corrupt files
-            if "Unsupported model IR version" in str(e) or "opset" in str(e).lower():
-                raise BundleError(f"cannot load {path}: it was written for a newer ONNX Runtime than this one "
-                                  f"(onnxruntime {ort.__version__}): {e}; upgrade it: pip install "
-                                  f"'onnxruntime>={MIN_ORT}'") from e
-            raise BundleError(f"cannot load {path} (or the weights it names in the bundle's weights.bin): {e}; "
-                              f"the bundle is damaged: export it again with `dspark export`") from e
+        self.session = open_session(path, threads, ["CPUExecutionProvider"])
         self._check_shapes(path, kv, expect)
         self.kv, self.past_names = kv, past_names
         self.names = [o.name for o in self.session.get_outputs()]
@@ -135,26 +139,21 @@ class OrtBackend:
     accepts_on_device = False  # the acceptance rule runs on the host (sampling.accept over numpy)
     supports_prefix = True  # prefill() from any start: chunked prefill and prefix reuse (backends/base.py)
 
-    def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, provider: str = "cpu",
-                 threads: int | None = None, speculative: bool = True, target_graph: str = "auto",
-                 drafter_graph: str = "auto", slots: int = 1):
-        """target_graph: "ort" = the ONNX Runtime variant (fused contrib ops, cache written in
-        place), "portable" = the standard-op graph TensorRT also reads, "auto" = "ort" on the
-        CPU provider when the bundle has it. drafter_graph: "int8" = matmuls dynamically
+    def __init__(self, bundle: Path, manifest: Manifest, max_seq: int, threads: int | None = None,
+                 speculative: bool = True, target_graph: str = "auto", drafter_graph: str = "auto", slots: int = 1):
+        """On ONNX Runtime's CPU provider (its CUDA provider: ort_cuda.py, buffers on the GPU).
+        target_graph: "ort" = the ONNX Runtime variant (fused contrib ops, cache written in
+        place), "portable" = the standard-op graph TensorRT also reads, "auto" = "ort" when the
+        bundle has it. drafter_graph: "int8" = matmuls dynamically
         quantized (cheaper on CPU, docs/results.md; only the proposals change, never the output
-        distribution), "fp32" = the exported graph, "auto" = int8 on the CPU provider when
+        distribution), "fp32" = the exported graph, "auto" = int8 when
         the bundle has it and `slots` <= INT8_MAX_SLOTS (past that, one batched fp32 call is
         cheaper than int8 row by row). That choice is per engine, never per step, so a sampled
         request's proposals do not depend on how many others are in the batch. With int8 or
-        auto on the CPU, a call whose rows are all greedy runs the greedy-only int8 graph
+        auto, a call whose rows are all greedy runs the greedy-only int8 graph
         (`drafter_ort_greedy`) over every row at once: its proposals then depend on the batch
         (one activation scale per call), its output does not (at T = 0 the output is the
         target's argmax whatever was proposed)."""
-        if provider not in PROVIDERS:
-            raise InputError(f"unknown ONNX Runtime provider {provider!r}; choose one of {sorted(PROVIDERS)}")
-        if PROVIDERS[provider] not in ort.get_available_providers():
-            raise BundleError(f"{PROVIDERS[provider]} is not available in this onnxruntime build "
-                              f"(have {ort.get_available_providers()})")
         if target_graph not in ("auto", "ort", "portable"):
             raise InputError(f"unknown target graph {target_graph!r}; choose auto, ort or portable")
         if drafter_graph not in ("auto", "int8", "fp32"):
@@ -167,16 +166,15 @@ class OrtBackend:
             raise InputError(f"slots is {slots}, expected >= 1 (requests served at once)")
         self.on_run: RunHook | None = None
         self.in_place = "target_ort" in manifest.graphs and (
-            target_graph == "ort" or (target_graph == "auto" and provider == "cpu"))
+            target_graph in ("ort", "auto"))
         if manifest.precision != "fp32" and not self.in_place:
             # the portable graph holds the fp32 reference of the quantized weights, another arithmetic
             raise BackendError(f"bundle {bundle} has a {manifest.precision} target, which only its ONNX Runtime graph "
-                               f"runs (target_ort); use target graph auto or ort on the CPU provider, or export with "
+                               f"runs (target_ort); use target graph auto or ort, or export with "
                                f"--precision fp32")
         if not self.in_place and "target" not in manifest.graphs:
             raise BundleError(f"bundle {bundle} has no portable target graph (target.onnx), which "
-                              f"{'--target-graph portable' if target_graph == 'portable' else f'the {provider} provider'} "
-                              f"runs; export the bundle with `dspark export --portable`")
+                              f"--target-graph portable runs; export the bundle with `dspark export --portable`")
         t, d = manifest.target, manifest.drafter
         L = t.num_layers
         self.block_size = d.block_size if speculative else 0
@@ -188,7 +186,7 @@ class OrtBackend:
         expect = {names[0]: {1: t.num_kv_heads, 3: t.head_dim}, "logits": {2: t.vocab_size},
                   "features": {2: d.feature_dim}}  # outputs of either target graph
         graph = manifest.graphs["target_ort" if self.in_place else "target"]
-        self._target = _Graph(bundle / graph, PROVIDERS[provider], threads, self.target_kv, names, expect)
+        self._target = _Graph(bundle / graph, threads, self.target_kv, names, expect)
         # A call of one row (B·S = 1, or one logits row) can take kernels of their own that round
         # differently (MLAS's M = 1 GEMV; MatMulNBits' M = 1 int8 kernel on AVX2), which would
         # make decoding alone differ from verifying. Where this machine's kernels do, a lone
@@ -201,17 +199,16 @@ class OrtBackend:
             self.draft_kv = KVBuffers(d.num_layers, slots, d.num_kv_heads, max_seq, d.head_dim)
             names = kv_names(PAST, d.num_layers)
             self.drafter_int8 = "drafter_ort" in manifest.graphs and (
-                drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu" and slots <= INT8_MAX_SLOTS))
+                drafter_graph == "int8" or (drafter_graph == "auto" and slots <= INT8_MAX_SLOTS))
             drafter = "drafter_ort" if self.drafter_int8 else "drafter"
             expect = {names[0]: {1: d.num_kv_heads, 3: d.head_dim}, "features": {2: d.feature_dim}, "ctx_mask": {}}
-            self._drafter = _Graph(bundle / manifest.graphs[drafter], PROVIDERS[provider], threads,
+            self._drafter = _Graph(bundle / manifest.graphs[drafter], threads,
                                    self.draft_kv, names, {**expect, "draft_probs": {2: d.vocab_size}})
             # the int8 graph without the `If` and without one-hot outputs, for calls at T = 0
             # (older bundles lack it and run drafter_ort for every row)
-            if "drafter_ort_greedy" in manifest.graphs and (
-                    drafter_graph == "int8" or (drafter_graph == "auto" and provider == "cpu")):
-                self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], PROVIDERS[provider],
-                                              threads, self.draft_kv, names, expect)
+            if "drafter_ort_greedy" in manifest.graphs and drafter_graph in ("int8", "auto"):
+                self._drafter_greedy = _Graph(bundle / manifest.graphs["drafter_ort_greedy"], threads, self.draft_kv,
+                                              names, expect)
         # the SPS table's drafter cost of what greedy rows run (what `dspark profile` measures)
         self.drafter_graph = "int8-greedy" if self._drafter_greedy else "int8" if self.drafter_int8 else "fp32"
 

@@ -55,8 +55,9 @@ class CupyDevice:
 
     def __init__(self):
         self.cp = cp = import_cupy()
+        self.id = cp.cuda.Device().id
         self.info = gpu_info()
-        self.name = f"cuda:{cp.cuda.Device().id} ({self.info.name})"
+        self.name = f"cuda:{self.id} ({self.info.name})"
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._write = cp.ElementwiseKernel(
             "raw T rows, raw int64 positions, int64 heads, int64 n, int64 max_seq, int64 dim, int64 pos_stride",

@@ -43,3 +43,15 @@ class Device(Protocol):
         """Run `body` once as a warm-up, capture it as a CUDA graph; return (replay, the static
         outputs that every replay rewrites). Raises if the body cannot be captured."""
         ...
+
+
+class PointerDevice(Device, Protocol):
+    """A `Device` whose arrays a native engine reads by raw address on one CUDA stream
+    (`CupyDevice`): what TensorRT's and ONNX Runtime's CUDA bindings take."""
+
+    id: int  # the CUDA device ordinal
+    info: Any  # cupy_device.GpuInfo: name and compute capability
+    stream_handle: int  # the cudaStream_t every launch is ordered on
+
+    def address(self, array: Any) -> int:
+        ...

@@ -13,28 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from ...errors import BackendError, BundleError, InputError
 from ..gpu.buckets import Buckets
-from ..gpu.cupy_device import CupyDevice, GpuInfo
-from ..gpu.device import Device, Outputs
+from ..gpu.cupy_device import CupyDevice
+from ..gpu.device import Outputs, PointerDevice
 from ..gpu.graph_backend import GraphBackend
 from ...graph_io import DRAFTER_INPUTS, PAST, TARGET_INPUTS, kv_names
 from ...manifest import Manifest
 from .meta import check_compatible, engine_meta, rebuild_command
 from .profiles import EngineShapes, profile_index
-
-
-class PointerDevice(Device, Protocol):
-    """A `Device` whose arrays TensorRT can read: raw device addresses and a CUDA stream handle
-    (`CupyDevice`)."""
-
-    info: GpuInfo
-    stream_handle: int
-
-    def address(self, array: Any) -> int:
-        ...
 
 
 TENSORRT_MAJOR = 11  # strongly typed networks only, device_memory_size_v2: the API this package calls
