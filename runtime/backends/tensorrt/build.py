@@ -2,7 +2,9 @@
 the GPU that will run them. Strongly typed networks (TensorRT 11 has no other kind: the
 precision is the graphs' own), two optimization profiles per engine
 (runtime/backends/tensorrt/profiles.py), a timing cache kept across builds, and the engine
-metadata written into the manifest.
+metadata written into the manifest. A quantized bundle (int8, int4) builds from its portable
+graph, which reads the weight blocks through DequantizeLinear (export/portable_qdq.py): TensorRT's
+weight-only quantization, activations in the graph's own fp32.
 
 NOT EXECUTED: no TensorRT engine has been built by this project, on any machine. Written
 against the TensorRT 11 Python API of the tensorrt-cu13 11.4.0.106 bindings (backend.py). The CPU
@@ -49,10 +51,7 @@ def build_tensorrt(bundle: str | Path, *, precision: str = "fp32", max_seq: int 
     missing = [r for r in ROLES if r not in manifest.graphs]
     if missing:
         raise BundleError(f"bundle {bundle} has no ONNX graph for {', '.join(missing)}: nothing to build from; "
-                          f"export it with `dspark export --portable --precision fp32`")
-    if manifest.precision != "fp32":
-        raise BackendError(f"bundle {bundle} has a {manifest.precision} target; TensorRT builds from fp32 bundles "
-                           f"only: re-export with `dspark export --portable --precision fp32`")
+                          f"export it with `dspark export --portable`")
     trt = import_tensorrt()
     gpu = gpu_info()
     prec = check_precision(precision, manifest.dtype, gpu.compute)
@@ -99,6 +98,7 @@ def build_tensorrt(bundle: str | Path, *, precision: str = "fp32", max_seq: int 
         "compute_capability": list(gpu.compute),
         "gpu_name": gpu.name,
         "precision": precision,
+        "weights": manifest.precision,  # int8/int4: the portable graph's DequantizeLinear of the blocks (weight-only)
         "shapes": shapes.to_dict(),
         "profiles": {role: {name: {k: [list(s) for s in v] for k, v in p.items() if not k.startswith(KV_PREFIXES)}
                             for name, p in profiles[role].items()} for role in ROLES},
