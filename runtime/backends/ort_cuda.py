@@ -39,10 +39,11 @@ class OrtStep:
     """One ONNX graph as a `backends.gpu.steps.Step`: each bucket gets an IOBinding whose inputs,
     KV caches and outputs are the shared layer's static device buffers, bound by address."""
 
-    def __init__(self, path: Path, session: ort.InferenceSession, device: PointerDevice, device_type: str,
+    def __init__(self, path: Path, providers: list, threads: int | None, device: PointerDevice, device_type: str,
                  fed: tuple[str, ...]):
         """fed: the input names the runtime feeds (graph_io), besides the KV caches."""
-        self.path, self.session, self.device, self.device_type = path, session, device, device_type
+        self.path, self.device, self.device_type = path, device, device_type
+        self.session = session = open_session(path, threads, providers)
         names = [i.name for i in session.get_inputs()]
         self.kv_names = kv_names(PAST, sum(n.startswith(f"{PAST}_key_") for n in names))  # keys, then values
         if set(names) != {*fed, *self.kv_names}:
@@ -109,12 +110,10 @@ def ort_cuda_backend(bundle: str | Path, manifest: Manifest, max_seq: int, slots
         raise InputError("ort_cuda_backend on the CPU provider needs a host PointerDevice")
     else:
         providers = ["CPUExecutionProvider"]
-    steps = []
-    for role, fed in (("target", TARGET_INPUTS), ("drafter", DRAFTER_INPUTS)):
-        if role == "drafter" and not speculative:
-            break
-        path = bundle / manifest.graphs[role]
-        steps.append(OrtStep(path, open_session(path, threads, providers), device, "cuda" if provider == "cuda" else "cpu", fed))
+    device_type = "cuda" if provider == "cuda" else "cpu"
+    roles = (("target", TARGET_INPUTS), ("drafter", DRAFTER_INPUTS))[:2 if speculative else 1]
+    steps = [OrtStep(bundle / manifest.graphs[role], providers, threads, device, device_type, fed)
+             for role, fed in roles]
     d = manifest.drafter if speculative else None
     query = d.block_size + 1 if d is not None else 1
     buckets = Buckets(max_seq, query, max(512, query), max_batch=slots)

@@ -237,9 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundle", required=True, help="bundle directory written by `dspark export`")
-    p.add_argument("--provider", default="cpu", help="ONNX Runtime execution provider: cpu (default), or cuda: the portable graphs with "
-                        "the KV caches and every input and output on the GPU (needs onnxruntime-gpu and CuPy; "
-                        "never run on a GPU)")
+    p.add_argument("--provider", default="cpu",
+                   help="ONNX Runtime execution provider: cpu (default), or cuda: the portable graphs with the KV "
+                        "caches and every input and output on the GPU (needs onnxruntime-gpu and CuPy; never run "
+                        "on a GPU)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
     p.add_argument("--target-graph", default="auto", choices=["auto", "ort", "portable"],
                    help="target graph: ort = ONNX Runtime variant (fused ops, cache written in place), "
