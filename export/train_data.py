@@ -206,6 +206,14 @@ class GenerationConfig:
     batch: int = 8
     seed: int = 0
     shard_records: int = 2000
+    part: tuple[int, int] = (0, 1)  # (i, n): answer only the keys of part i of n (`in_part`), in shards "-p{i}"
+
+
+def in_part(key: str, part: tuple[int, int]) -> bool:
+    """Whether a response key belongs to part i of n: by a hash of the key, so that n processes
+    started at different times over one data directory split the work the same way."""
+    i, n = part
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") % n == i
 
 
 def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str | Path,
@@ -219,7 +227,8 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in read_responses(out)}
-    todo = [(p, t) for t in cfg.temperatures for p in prompts if prompt_key(p, t) not in done]
+    todo = [(p, t) for t in cfg.temperatures for p in prompts
+            if prompt_key(p, t) not in done and in_part(prompt_key(p, t), cfg.part)]
     if not todo:
         return 0
     encoded = {p: responder.encode(p.text) for p in {p for p, _ in todo}}
@@ -244,7 +253,8 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
                 if f is None or in_shard >= cfg.shard_records:
                     if f is not None:
                         f.close()
-                    f = open(out / f"responses-{shard_no:05d}.jsonl", "a", encoding="utf-8")
+                    suffix = f"-p{cfg.part[0]}" if cfg.part[1] > 1 else ""  # parts never share a file
+                    f = open(out / f"responses-{shard_no:05d}{suffix}.jsonl", "a", encoding="utf-8")
                     shard_no, in_shard = shard_no + 1, 0
                 lines = [json.dumps({"key": k, "source": p.source, "temperature": t, "prompt": p.text,
                                      "prompt_ids": encoded[p], "response_ids": ids, "finished": fin})

@@ -260,6 +260,7 @@ def cmd_generate(args) -> int:
                                           synthesize_prompts, write_prompts)
 
     _threads(args.threads)
+    part = _part(args.part)
     data = Path(args.data)
     _check_data_target(data, args.target, record=True)
     prompts = load_train_prompts(args.prompts, limit=args.limit, skip=args.skip)  # refuses bench paths: before compute
@@ -295,6 +296,9 @@ def cmd_generate(args) -> int:
     if args.self_prompts:
         path = data / "prompts-self.jsonl"
         have = read_prompts(path) if path.exists() else []
+        if len(have) < args.self_prompts and part[1] > 1:
+            raise SystemExit(f"--self-prompts {args.self_prompts} with --part {args.part}: {path} holds {len(have)}; "
+                             f"write them first in one process (the same command without --part), then run the parts")
         if len(have) < args.self_prompts:
             seeds = [p for p in load_train_prompts(args.prompts) if p.source == "alpaca-seed-tasks"] or prompts
             new = synthesize_prompts(responder(), seeds, args.self_prompts - len(have), batch=args.batch,
@@ -303,10 +307,17 @@ def cmd_generate(args) -> int:
             have = have + new
         prompts = prompts + have
     cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
-                           batch=args.batch, seed=args.seed)
+                           batch=args.batch, seed=args.seed, part=part)
     n = generate_responses(responder(), prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
+
+
+def _part(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise SystemExit(f"--part {text!r}: expected I/N with 0 <= I < N, e.g. 0/2 and 1/2 for two processes")
+    return int(i), int(n)
 
 
 def cmd_cache(args) -> int:
@@ -575,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--time-budget", default=None, help="stop after the batch during which e.g. 45m or 3h have "
                    "passed (rerun to continue)")
+    q.add_argument("--part", default="0/1", help="I/N: answer only part I of N of the prompts (by a hash of each "
+                   "key), writing shards of their own: N processes of --threads 1 over one --data use N cores "
+                   "better than one process of N threads (docs/drafter.md)")
     q.set_defaults(fn=cmd_generate)
 
     q = sub.add_parser("cache", help="target features + final hidden states -> fp16 safetensors shards",

@@ -801,6 +801,21 @@ def test_committed_xz_shards_are_read_and_generation_goes_on_after_them(tiny_hf,
     assert [r["prompt"] for r in read_responses(out)] == ["What is 2+2?", "Say hi"]
 
 
+def test_parts_split_the_prompts_between_processes(tiny_hf, tmp_path):
+    """`--part i/n`: the parts answer disjoint sets of keys whose union is every key, each in shards
+    of its own, and a part run again (a process restarted) answers nothing new."""
+    model, tok = load_generator(tiny_hf)
+    responder = TransformersResponder(model, tok)
+    prompts = [Prompt(f"Question {i}?", "t") for i in range(12)]
+    out = tmp_path / "resp"
+    written = [generate_responses(responder, prompts, out, GenerationConfig((0.0,), 2, batch=4, part=(i, 2)),
+                                  progress=False) for i in (0, 1)]
+    assert all(written) and sum(written) == 12
+    assert sorted(f.name for f in out.iterdir()) == ["responses-00000-p0.jsonl", "responses-00001-p1.jsonl"]
+    assert sorted(r["prompt"] for r in read_responses(out)) == sorted(p.text for p in prompts)
+    assert generate_responses(responder, prompts, out, GenerationConfig((0.0,), 2, part=(1, 2)), progress=False) == 0
+
+
 def test_a_data_directory_of_another_target_is_refused_before_compute(tiny_hf, tmp_path):
     """generate records the target in DATA/target.json; generate, cache and train with another
     target stop with a message naming both, before loading a model."""
