@@ -49,8 +49,12 @@ class OrtStep:
         if set(names) != {*fed, *self.kv_names}:
             raise BundleError(f"{path} has inputs {names}, the runtime feeds {[*fed, *self.kv_names]}: "
                               f"it was exported by another exporter version; re-export the bundle")
-        self.inputs = session.get_inputs()
-        self.outputs = session.get_outputs()
+        self.inputs, self.outputs = session.get_inputs(), session.get_outputs()
+        known = {dim for arg in self.inputs for dim in arg.shape if isinstance(dim, str)}
+        for arg in self.outputs:
+            if any(isinstance(dim, str) and dim not in known for dim in arg.shape):
+                raise BundleError(f"output {arg.name} {arg.shape} of {path} has a dimension no input sets (its "
+                                  f"buffer cannot be sized before the run): re-export the bundle")
 
     def _bind(self, bind: Callable[..., None], name: str, array: Any) -> None:
         bind(name, self.device_type, self.device.id, array.dtype, list(array.shape), self.device.address(array))
@@ -65,9 +69,6 @@ class OrtStep:
             self._bind(binding.bind_input, name, array)
         outputs = {}
         for arg in self.outputs:
-            if any(isinstance(dim, str) and dim not in sizes for dim in arg.shape):
-                raise BundleError(f"output {arg.name} {arg.shape} of {self.path} has a dimension no "
-                                  f"input sets: re-export the bundle")
             shape = tuple(sizes[dim] if isinstance(dim, str) else dim for dim in arg.shape)
             outputs[arg.name] = self.device.zeros(shape, np.dtype(DTYPES[arg.type]))
             self._bind(binding.bind_output, arg.name, outputs[arg.name])
