@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .core import EngineCore, EngineFullError, RequestOutput, UnknownRequestError, check_prompt, room
+from .core import (SERVE_PREFILL_CHUNK, EngineCore, EngineFullError, RequestOutput, UnknownRequestError,
+                   check_prompt, room)
 from .engine import Engine, Prompt, Result, TextStream, cut_at_stop
 from .errors import InputError
 from .request import SamplingParams, Stats
@@ -137,7 +138,9 @@ class AsyncEngine:
     def load(cls, bundle: str | Path, slots: int = 1, max_waiting: int | None = None, scheduler: str = "auto",
              threshold: float = 0.5, **load_kwargs) -> "AsyncEngine":
         """Engine.load(bundle, slots=slots, **load_kwargs) (max_seq, backend, provider, threads,
-        target_graph, drafter_graph), served by a new engine thread."""
+        target_graph, drafter_graph, prefill_chunk, min_prefix), served by a new engine thread.
+        prefill_chunk defaults to SERVE_PREFILL_CHUNK (core.py), not the batch default."""
+        load_kwargs.setdefault("prefill_chunk", SERVE_PREFILL_CHUNK)
         return cls(Engine.load(bundle, slots=slots, **load_kwargs), scheduler, threshold, max_waiting)
 
     def params(self, temperature: float = 0.0, max_new_tokens: int = 256, seed: int = 0,

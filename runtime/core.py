@@ -64,9 +64,13 @@ from .schedulers.base import History, Scheduler
 CATCH_UP = 32  # context rows per request that a drafting round after skipped steps feeds at most
 # Prompt tokens prefilled per step. Each chunk lengthens the running requests' step by one call of
 # at most P rows, while a prompt of up to P tokens (most chat turns) still prefills in one call, as
-# unchunked: 256 bounds the stall by a long prompt to that of a typical one. Not tuned by a
-# measurement; a deployment weighs its streams' step time against a joining prompt's first token.
+# unchunked: 256 bounds the stall by a long prompt to that of a typical one, for batch work, where
+# no stream waits and fewer, larger calls prefill faster.
 PREFILL_CHUNK = 256
+# The same for a server's streams (AsyncEngine, `dspark serve`): the step that carries a chunk is
+# their worst inter-token gap, and chunks of 64 lowered its p99 about 2x against 256 in the serving
+# benchmark's long-prompt runs (docs/results.md), at some cost to a long prompt's first token.
+SERVE_PREFILL_CHUNK = 64
 # The shortest kept prefix a joining request reuses. Shorter ones save a few prompt rows of one call,
 # while the match can pull the request above the lowest free slot, where the slots below it ride
 # along as dummy rows in every batched step; a chat template's fixed header alone is about that long.

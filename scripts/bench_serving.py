@@ -33,7 +33,7 @@ completed/failed) and the ratios DSpark / none at each load point; writes every 
     python scripts/bench_serving.py --bundle engines/smollm2 --concurrency 1,8,32 \\
         --rates-from-saturation 0.25,0.5,0.75,1.0,1.25,1.5 --num-requests 128
     python scripts/bench_serving.py --bundle engines/smollm2 --concurrency 4 --long-prompt-tokens 1500 \\
-        --prefill-chunks 256,0
+        --prefill-chunks 64,256,0
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 1,4   # a running server
 
 The servers are started with `--log-level warning`, their output in a .log beside --out; the
@@ -626,8 +626,8 @@ def parse(argv: list[str]) -> Config:
     p.add_argument("--long-prompt-interval", type=float, default=2.0, help="seconds between long prompts, the first "
                    "sent with the streams (default 2)")
     p.add_argument("--long-prompt-max-tokens", type=int, default=16, help="max_tokens of a long request (default 16)")
-    p.add_argument("--prefill-chunks", default="256,0", help="with --long-prompt-tokens: a server per value of "
-                   "`dspark serve --prefill-chunk` (default 256,0; 0: whole prompts)")
+    p.add_argument("--prefill-chunks", default="64,0", help="with --long-prompt-tokens: a server per value of "
+                   "`dspark serve --prefill-chunk` (default 64,0; 0: whole prompts)")
     p.add_argument("--slots", type=int, default=32, help="`dspark serve --slots` (default 32)")
     p.add_argument("--max-queue", type=int, default=256, help="`dspark serve --max-queue` (default 256)")
     p.add_argument("--server-args", default="", help="more `dspark serve` options, e.g. '--threads 2 --max-seq 2048'")

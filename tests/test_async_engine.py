@@ -198,3 +198,18 @@ def test_shutdown_fails_the_requests_left(tiny_bundle):
 
     run(shut_down_midway())
     assert not engine.alive
+
+
+def test_serving_prefills_in_smaller_chunks_than_batch_work(tiny_bundle):
+    """AsyncEngine and `dspark serve` default to SERVE_PREFILL_CHUNK (the streams' ITL p99, docs/results.md);
+    Engine.load keeps the batch default, and an explicit value, None (whole prompts) included, wins."""
+    from dspark.runtime.core import PREFILL_CHUNK, SERVE_PREFILL_CHUNK
+    from dspark.runtime.tools.cli import build_parser
+
+    assert SERVE_PREFILL_CHUNK < PREFILL_CHUNK
+    assert Engine.load(tiny_bundle.path, threads=1).prefill_chunk == PREFILL_CHUNK
+    for kwargs, chunk in [({}, SERVE_PREFILL_CHUNK), ({"prefill_chunk": 7}, 7), ({"prefill_chunk": None}, None)]:
+        with AsyncEngine.load(tiny_bundle.path, slots=1, threads=1, **kwargs) as e:
+            assert e.engine.prefill_chunk == chunk
+            assert e._core.prefill_chunk == chunk
+    assert build_parser().parse_args(["serve", "--bundle", "b"]).prefill_chunk == SERVE_PREFILL_CHUNK

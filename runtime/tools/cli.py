@@ -20,7 +20,7 @@ import sys
 import warnings
 
 from ..backends import BACKENDS
-from ..core import PREFILL_CHUNK
+from ..core import SERVE_PREFILL_CHUNK
 from ..errors import DSparkError, InputError
 from ..schedulers import NAMES
 
@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default="auto", choices=list(NAMES), help="verification length (see `dspark "
                    "generate --help`; default auto)")
     p.add_argument("--threshold", type=float, default=0.5, help="confidence threshold for --scheduler threshold")
-    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled per step, so "
-                   f"that a long prompt joining does not stall every stream (default {PREFILL_CHUNK}; 0: whole prompts)")
+    p.add_argument("--prefill-chunk", type=int, default=SERVE_PREFILL_CHUNK, help="prompt tokens prefilled per "
+                   f"step, so that a long prompt joining does not stall every stream (default {SERVE_PREFILL_CHUNK}; "
+                   "0: whole prompts)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     p.add_argument("--ray", action="store_true", help="serve on Ray Serve, one engine per replica (needs the [ray] "
                    "extra); --threads defaults to 1 there")
