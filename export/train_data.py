@@ -12,11 +12,12 @@ Pipeline, each stage resumable and regenerable by `scripts/train_drafter.py`:
    greedily (T = 0) and sampled (T = 1, no top-k/top-p),
    into JSON Lines shards {key, source, temperature, prompt, prompt_ids, response_ids, finished}.
    A prompt already answered at a temperature (same key) is skipped.
-3. Features: one forward of our `TargetModel` per sequence gives the raw features at the
-   drafter's `target_layer_ids` [T, m·d] and the last hidden state **after the target's final
-   norm** [T, d] (lm_head of it = the target's logits), stored as fp16 in safetensors shards
-   with an index (`FeatureCache`). `OnTheFlySource` computes the same thing at train time
-   instead (no disk; one target forward per sequence per step).
+3. Features: one forward of the target per sequence gives the raw features at the drafter's
+   `target_layer_ids` [T, m·d] and the last hidden state **after the target's final norm**
+   [T, d] (lm_head of it = the target's logits), from our torch `TargetModel` (`TorchStates`)
+   or from the bundle graph that serves (`engine_states.EngineStates`), stored as fp16 in
+   safetensors shards with an index (`FeatureCache`). `OnTheFlySource` computes the same thing
+   at train time instead (no disk; one target forward per sequence per step).
 """
 from __future__ import annotations
 
@@ -383,12 +384,39 @@ def records_fingerprint(records: Sequence[dict[str, Any]]) -> str:
     return hashlib.sha256("\n".join(r["key"] for r in records).encode()).hexdigest()[:16]
 
 
+class StateSource(Protocol):
+    """Where the target's states come from (`target_states`' contract)."""
+
+    layer_ids: tuple[int, ...]
+    compute: str  # recorded in a cache, which never mixes two: "fp32", "bf16" (torch) or "engine"
+
+    def states(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fingerprint(self) -> str: ...
+
+
+class TorchStates:
+    """`StateSource` of our torch `TargetModel`; compute "bf16" runs its matmuls under bf16
+    autocast (residual stream in fp32; faster on a CPU with bf16 instructions)."""
+
+    def __init__(self, target: TargetModel, layer_ids: Sequence[int], compute: str = "fp32"):
+        self.target, self.layer_ids, self.compute = target.requires_grad_(False).eval(), tuple(layer_ids), compute
+
+    def states(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.target.embed_tokens.weight.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.compute == "bf16"):
+            feats, hidden = target_states(self.target, tokens, self.layer_ids)
+        return feats.float(), hidden.float()
+
+    def fingerprint(self) -> str:
+        return target_fingerprint(self.target, self.layer_ids)
+
+
 class OnTheFlySource:
     """`SequenceSource` that runs the target for each sequence it is asked for (no cache)."""
 
-    def __init__(self, target: TargetModel, records: Sequence[dict[str, Any]], layer_ids: Sequence[int],
-                 max_len: int | None = None):
-        self.target, self.layer_ids, self.max_len = target.requires_grad_(False).eval(), tuple(layer_ids), max_len
+    def __init__(self, states: StateSource, records: Sequence[dict[str, Any]], max_len: int | None = None):
+        self.source, self.max_len = states, max_len
         self.records = [r for r in records if usable(r, max_len)]
         if not self.records:
             raise DataError("no usable training sequences (every response has fewer than two tokens)")
@@ -398,30 +426,29 @@ class OnTheFlySource:
 
     def __getitem__(self, i: int) -> TrainSequence:
         tokens, mask = record_tokens(self.records[i], self.max_len)
-        feats, hidden = target_states(self.target, tokens[None], self.layer_ids)
+        with torch.inference_mode():
+            feats, hidden = self.source.states(tokens[None])
         return TrainSequence(tokens, mask, feats[0].clone(), hidden[0].clone())
 
     def fingerprint(self) -> str:
         return records_fingerprint(self.records)
 
 
-def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache_dir: str | Path,
-                   layer_ids: Sequence[int], max_len: int | None = None, batch: int = 1,
-                   shard_rows: int = 1 << 18, progress: bool = True, compute: str = "fp32") -> int:
+def cache_features(states: StateSource, records: Sequence[dict[str, Any]], cache_dir: str | Path,
+                   max_len: int | None = None, batch: int = 1, shard_rows: int = 1 << 18,
+                   progress: bool = True) -> int:
     """Run the target once per record not yet cached and store fp16 features and final-normed
     last hidden states in `cache_dir/feats-NNNNN.safetensors` + `index.jsonl`. Resumable: an
     index entry is written only after its shard is complete. Returns the records added.
-    `compute` "bf16" runs the target's matmuls under bf16 autocast (residual stream in fp32;
-    faster on a CPU with bf16 instructions); it is recorded, and a cache never mixes the two."""
+    The source's `compute` is recorded, and a cache never mixes two."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    target.requires_grad_(False).eval()
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    meta = {"layer_ids": list(layer_ids), "target": target_fingerprint(target, layer_ids), "dtype": "float16",
+    meta = {"layer_ids": list(states.layer_ids), "target": states.fingerprint(), "dtype": "float16",
             "final_hidden": "after the target's final norm (lm_head of it = target logits)", "max_len": max_len,
-            "compute": compute}
+            "compute": states.compute}
     meta_path = cache / "cache_meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -457,9 +484,8 @@ def cache_features(target: TargetModel, records: Sequence[dict[str, Any]], cache
         toks = [record_tokens(r, max_len) for r in group]
         T = max(len(t) for t, _ in toks)
         padded = torch.stack([torch.cat([t, t.new_zeros(T - len(t))]) for t, _ in toks])  # [B, T] right padding
-        with torch.autocast(padded.device.type, dtype=torch.bfloat16, enabled=compute == "bf16"):
-            feats, hidden = target_states(target, padded, layer_ids)
-        feats, hidden = feats.float(), hidden.float()
+        with torch.inference_mode():
+            feats, hidden = states.states(padded)
         for r, (t, m), f_, h_ in zip(group, toks, feats, hidden):
             n = len(t)
             f16, h16 = _to_fp16(f_[:n], r["key"]), _to_fp16(h_[:n], r["key"])

@@ -28,6 +28,8 @@ The pipeline (each step resumable: run it again to continue where it stopped):
      final-normed last hidden state, fp16 on disk (~7 kB a token for SmolLM2 with 5 layers)
        python scripts/train_drafter.py cache --data out/drafter/data
      Without a cache, `train --no-cache` runs the target on the fly (no disk, slower steps).
+     --engine engines/smollm2 (cache, or train --no-cache) takes the states from the bundle's
+     ONNX Runtime graph, the deployed arithmetic, instead of the torch target (docs/drafter.md).
   3. train     a new run (DSpark by default; --dflash for the CE-only DFlash baseline)
        python scripts/train_drafter.py train --data out/drafter/data --run out/drafter/run
      Progress bar: loss terms, per-slot acceptance estimate (mean c*), tau estimate.
@@ -64,6 +66,7 @@ for 2 layers, 96 for 1; a warm start keeps its checkpoint's), mask token <empty_
 
 DEFAULT_DATA = "out/drafter/data"
 DEFAULT_RUN = "out/drafter/run"
+DEFAULT_LAYER_IDS = (1, 8, 15, 22, 28)  # the shipped drafter's target_layer_ids
 
 
 def _duration(text: str | None) -> float | None:
@@ -320,31 +323,51 @@ def _part(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def cmd_cache(args) -> int:
-    import torch
+def _engine_states(bundle: str, data: Path, layer_ids, threads: int | None):
+    """EngineStates of --engine BUNDLE, refused before any compute if the bundle serves another
+    target than the one whose responses DATA holds, or emits other feature layers."""
+    from dspark.export.engine_states import EngineStates
 
+    states = EngineStates(bundle, threads)
+    path = data / DATA_TARGET
+    was = json.loads(path.read_text()) if path.exists() else None
+    if was is not None and states.manifest.source_hashes.get("target") != was["sha256"]:
+        raise SystemExit(f"--engine {bundle} serves another target (sha256 "
+                         f"{str(states.manifest.source_hashes.get('target'))[:12]}…) than the one whose responses "
+                         f"{data} holds ({was['target']}, {was['sha256'][:12]}…): export a bundle of that target")
+    if layer_ids is not None and tuple(layer_ids) != states.layer_ids:
+        raise SystemExit(f"--engine {bundle} emits the features of target layers {list(states.layer_ids)}, not "
+                         f"{list(layer_ids)}: train with those layers, or compute features with the torch target "
+                         "(without --engine)")
+    return states
+
+
+def cmd_cache(args) -> int:
     from dspark.export import load_target
-    from dspark.export.train_data import cache_features, read_responses
+    from dspark.export.train_data import TorchStates, cache_features, read_responses
 
     _threads(args.threads)
-    _check_data_target(Path(args.data), args.target)
-    records = read_responses(Path(args.data) / "responses")
+    data = Path(args.data)
+    _check_data_target(data, args.target)
+    records = read_responses(data / "responses")
     if not records:
         print(f"no responses in {args.data}/responses: run `generate` first", file=sys.stderr)
         return 2
-    device = _device(args.device)
-    target = load_target(args.target).model.to(device)
-    out = Path(args.out) if args.out else Path(args.data) / ("features-" + "_".join(map(str, args.layer_ids)))
-    with torch.inference_mode():
-        n = cache_features(target, records, out, args.layer_ids, max_len=args.max_len, batch=args.batch,
-                           compute=args.dtype)
+    if args.engine:
+        states = _engine_states(args.engine, data, args.layer_ids, args.threads)
+    else:
+        target = load_target(args.target).model.to(_device(args.device))
+        states = TorchStates(target, args.layer_ids or DEFAULT_LAYER_IDS, args.dtype)
+    out = Path(args.out) if args.out else data / ("features-" + "_".join(map(str, states.layer_ids)))
+    n = cache_features(states, records, out, max_len=args.max_len, batch=args.batch)
     print(f"cached {n} sequences in {out}", file=sys.stderr)
     return 0
 
 
-def _source(run_info: dict, target, cfg):
-    """The SequenceSource a run trains on: its feature cache, or the target on the fly."""
-    from dspark.export.train_data import FeatureCache, OnTheFlySource, read_responses
+def _source(run_info: dict, target, cfg, threads: int | None = None):
+    """The SequenceSource a run trains on: its feature cache, or the target on the fly (the
+    torch one, or the engine of the bundle run.json names)."""
+    from dspark.export.train_data import FeatureCache, OnTheFlySource, TorchStates, read_responses
 
     data = Path(run_info["data"])
     if run_info["cache"]:
@@ -353,7 +376,11 @@ def _source(run_info: dict, target, cfg):
             raise SystemExit(f"{cache}: no feature cache; run `cache --layer-ids "
                              f"{' '.join(map(str, cfg.target_layer_ids))}` or train with --no-cache")
         return FeatureCache(cache, cfg.target_layer_ids)
-    return OnTheFlySource(target, read_responses(data / "responses"), cfg.target_layer_ids, cfg.max_seq_len)
+    if run_info.get("engine"):
+        states = _engine_states(run_info["engine"], data, cfg.target_layer_ids, threads)
+    else:
+        states = TorchStates(target, cfg.target_layer_ids)
+    return OnTheFlySource(states, read_responses(data / "responses"), cfg.max_seq_len)
 
 
 def _trainer_kw(args, device: str) -> dict:
@@ -396,9 +423,12 @@ def cmd_train(args) -> int:
     loaded = load_target(args.target)
     target = loaded.model.to(device)
     cfg_layers = "_".join(map(str, cfg.target_layer_ids))
-    info = {"data": str(Path(args.data)), "target": args.target,
+    if args.engine and not args.no_cache:
+        raise SystemExit("--engine computes the features on the fly: pass --no-cache too (a cache built with "
+                         "`cache --engine` is read with --cache)")
+    info = {"data": str(Path(args.data)), "target": args.target, "engine": args.engine,
             "cache": None if args.no_cache else str(Path(args.cache or Path(args.data) / f"features-{cfg_layers}"))}
-    data = _source(info, target, cfg)
+    data = _source(info, target, cfg, args.threads)
     run.mkdir(parents=True, exist_ok=True)
     vocab = _training_vocab(cfg, loaded, Path(args.data), run)
     (run / "run.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -430,7 +460,7 @@ def cmd_resume(args) -> int:
     device = _device(args.device)
     loaded = load_target(args.target or info.get("target"))
     target = loaded.model.to(device)
-    data = _source(info, target, saved)
+    data = _source(info, target, saved, args.threads)
     trainer = Trainer.resume(run, (target.embed_tokens.weight, target.lm_head.weight), data, requested,
                              **_trainer_kw(args, device))
     print(f"resumed {ckpt.name} ({trainer.step_idx}/{saved.steps} steps done)", file=sys.stderr)
@@ -595,7 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the target once per response and store the raw features at --layer-ids "
                        "and the last hidden state after the final norm (fp16, with an index). Rerun to continue.")
     common(q)
-    q.add_argument("--layer-ids", type=int, nargs="+", default=[1, 8, 15, 22, 28])
+    q.add_argument("--layer-ids", type=int, nargs="+", default=None, help="target layers whose outputs are "
+                   f"the features (default {' '.join(map(str, DEFAULT_LAYER_IDS))}; with --engine, the bundle's)")
+    q.add_argument("--engine", default=None, metavar="BUNDLE", help="compute the states with this bundle's "
+                   "ONNX Runtime target graph, the deployed arithmetic (e.g. engines/smollm2: int8 activations), "
+                   "instead of the torch target (docs/drafter.md)")
     q.add_argument("--out", default=None, help="cache directory (default DATA/features-<layer ids>)")
     q.add_argument("--max-len", type=int, default=2048, help="tokens kept per sequence (default 2048)")
     q.add_argument("--batch", type=int, default=4, help="sequences per target forward (default 4)")
@@ -619,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     session(q)
     q.add_argument("--cache", default=None, help="feature cache (default DATA/features-<layer ids>)")
     q.add_argument("--no-cache", action="store_true", help="compute target features on the fly")
+    q.add_argument("--engine", default=None, metavar="BUNDLE", help="with --no-cache: compute them with this "
+                   "bundle's ONNX Runtime target graph (the deployed arithmetic) instead of the torch target")
     q.add_argument("--budget-mb", type=float, default=30.0, help="size budget used to pick --markov-rank")
     _add_config_flags(q)
     q.set_defaults(fn=cmd_train)

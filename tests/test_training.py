@@ -14,7 +14,8 @@ from factories import tiny_drafter, tiny_target, write_tiny_hf_target
 
 from dspark.export import DraftSession, load_drafter, load_target, save_drafter
 from dspark.export.train_data import (DEFAULT_TRAIN_DIR, DataError, FeatureCache, GenerationConfig,
-                                      EngineResponder, OnTheFlySource, Prompt, TransformersResponder, cache_features,
+                                      EngineResponder, OnTheFlySource, Prompt, TorchStates, TransformersResponder,
+                                      cache_features,
                                       first_question, generate_responses,
                                       load_generator, load_train_prompts, read_prompts, read_responses, response_seed,
                                       synthesize_prompts, target_states)
@@ -522,9 +523,10 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     n = len(r0["prompt_ids"])
     assert logits[0, n - 1:-1].argmax(-1).tolist() == r0["response_ids"]
 
-    assert cache_features(t, recs, tmp_path / "cache", LAYER_IDS, batch=2, progress=False) == len(recs)
-    assert cache_features(t, recs, tmp_path / "cache", LAYER_IDS, progress=False) == 0
-    cache, live = FeatureCache(tmp_path / "cache", LAYER_IDS), OnTheFlySource(t, recs, LAYER_IDS)
+    fp32 = TorchStates(t, LAYER_IDS)
+    assert cache_features(fp32, recs, tmp_path / "cache", batch=2, progress=False) == len(recs)
+    assert cache_features(fp32, recs, tmp_path / "cache", progress=False) == 0
+    cache, live = FeatureCache(tmp_path / "cache", LAYER_IDS), OnTheFlySource(fp32, recs)
     assert len(cache) == len(live) == len(recs)
     by_key = {r["key"]: i for i, r in enumerate(live.records)}
     for i, e in enumerate(cache.index):
@@ -534,11 +536,11 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
         # lm_head(final_hidden) is the target's logits
         torch.testing.assert_close(t.lm_head(a.final_hidden.float()), t.lm_head(b.final_hidden), atol=2e-2, rtol=0)
     with pytest.raises(ConfigError, match="layer_ids"):
-        cache_features(t, recs, tmp_path / "cache", (0, 1), progress=False)
+        cache_features(TorchStates(t, (0, 1)), recs, tmp_path / "cache", progress=False)
     with pytest.raises(ConfigError, match="compute"):  # an fp32 cache is never extended with bf16 rows
-        cache_features(t, recs, tmp_path / "cache", LAYER_IDS, progress=False, compute="bf16")
+        cache_features(TorchStates(t, LAYER_IDS, "bf16"), recs, tmp_path / "cache", progress=False)
     bf16 = tmp_path / "cache-bf16"
-    assert cache_features(t, recs, bf16, LAYER_IDS, batch=2, progress=False, compute="bf16") == len(recs)
+    assert cache_features(TorchStates(t, LAYER_IDS, "bf16"), recs, bf16, batch=2, progress=False) == len(recs)
     for i in range(len(cache)):  # bf16 matmuls, fp32 residual stream: close to the fp32 states
         torch.testing.assert_close(FeatureCache(bf16)[i].features.float(), cache[i].features.float(),
                                    atol=5e-2, rtol=5e-2)
@@ -562,7 +564,7 @@ def test_generate_cache_and_train_from_cache(tiny_hf, tmp_path):
     synth = synthesize_prompts(responder, prompts, 2, batch=2, max_new_tokens=8, min_chars=1, progress=False)
     assert len(synth) <= 2 and all(p.source.startswith("self:") for p in synth)
     with pytest.raises(DataError, match="no usable"):
-        OnTheFlySource(t, [{**r0, "response_ids": r0["response_ids"][:1]}], LAYER_IDS)
+        OnTheFlySource(fp32, [{**r0, "response_ids": r0["response_ids"][:1]}])
 
 
 def test_a_held_out_set_shares_no_prompt_with_the_training_data(tiny_hf, tmp_path):
@@ -837,3 +839,56 @@ def test_a_data_directory_of_another_target_is_refused_before_compute(tiny_hf, t
             script.main(argv)
     assert not (tmp_path / "run").exists()
     assert len(read_responses(data / "responses")) == 1
+
+
+def test_engine_states_are_the_deployed_graphs(tiny_bundle, tmp_path):
+    """`cache --engine` / `train --no-cache --engine`: the bundle's ONNX Runtime target graph gives
+    the torch target's states (an fp32 bundle: equal in the floating-point sense), a row's states
+    do not depend on the batch or its padding, a cache records compute "engine" and never takes
+    torch rows, and a bundle with other feature layers or of another target is refused."""
+    from dspark.export.engine_states import EngineStates
+
+    t = tiny_bundle.target
+    states = EngineStates(tiny_bundle.path, threads=1)
+    assert states.layer_ids == (-1, 1, 2) and states.compute == "engine"
+    tokens = torch.randint(5, t.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    feats, hidden = states.states(tokens)
+    ref_f, ref_h = target_states(t, tokens, states.layer_ids)
+    torch.testing.assert_close(feats, ref_f, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, ref_h, atol=1e-4, rtol=1e-4)
+    alone_f, alone_h = states.states(tokens[1:, :25])  # another batch, another length: the same bits
+    assert torch.equal(alone_f[0], feats[1, :25]) and torch.equal(alone_h[0], hidden[1, :25])
+
+    recs = [{"key": f"k{i}", "prompt_ids": tokens[i, :10].tolist(), "response_ids": tokens[i, 10:30 + 5 * i].tolist()}
+            for i in range(2)]
+    assert cache_features(states, recs, tmp_path / "cache", batch=2, progress=False) == 2
+    assert json.loads((tmp_path / "cache" / "cache_meta.json").read_text())["compute"] == "engine"
+    cache, live = FeatureCache(tmp_path / "cache", states.layer_ids), OnTheFlySource(states, recs)
+    for i, e in enumerate(cache.index):
+        seq = live[[r["key"] for r in live.records].index(e["key"])]
+        torch.testing.assert_close(cache[i].features.float(), seq.features, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(cache[i].final_hidden.float(), seq.final_hidden, atol=2e-3, rtol=2e-3)
+    with pytest.raises(ConfigError, match="target"):
+        cache_features(TorchStates(t, states.layer_ids), recs, tmp_path / "cache", progress=False)
+
+    script = _script()
+    with pytest.raises(SystemExit, match="emits the features of target layers"):
+        script._engine_states(str(tiny_bundle.path), tmp_path, (1, 2), 1)
+    (tmp_path / "target.json").write_text(json.dumps({"target": "other.gguf", "sha256": "0" * 64}))
+    with pytest.raises(SystemExit, match="serves another target"):
+        script._engine_states(str(tiny_bundle.path), tmp_path, None, 1)
+
+    # a run trained on the engine's states, on the fly, and resumed the same way (run.json names the bundle)
+    data, run = tmp_path / "data", tmp_path / "run"
+    (data / "responses").mkdir(parents=True)
+    (data / "responses" / "responses-00000.jsonl").write_text("".join(
+        json.dumps({**r, "source": "t", "temperature": 0.0, "prompt": "p", "finished": True}) + "\n" for r in recs))
+    argv = ["--target", str(tiny_bundle.target_dir), "--data", str(data), "--run", str(run), "--layer-ids", "-1", "1",
+            "2", "--layers", "1", "--markov-rank", "8", "--block-size", "4", "--mask-token-id", "3", "--anchors", "4",
+            "--batch", "2", "--steps", "3", "--warmup", "0", "--threads", "1", "--engine", str(tiny_bundle.path)]
+    with pytest.raises(SystemExit, match="pass --no-cache"):
+        script.main(["train", *argv])
+    assert script.main(["train", *argv, "--no-cache", "--max-steps", "2"]) == 0
+    assert json.loads((run / "run.json").read_text())["engine"] == str(tiny_bundle.path)
+    assert script.main(["resume", "--run", str(run), "--target", str(tiny_bundle.target_dir), "--threads", "1"]) == 0
+    assert (run / "checkpoints" / "step-0000003").is_dir()
