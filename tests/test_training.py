@@ -892,3 +892,18 @@ def test_engine_states_are_the_deployed_graphs(tiny_bundle, tmp_path):
     assert json.loads((run / "run.json").read_text())["engine"] == str(tiny_bundle.path)
     assert script.main(["resume", "--run", str(run), "--target", str(tiny_bundle.target_dir), "--threads", "1"]) == 0
     assert (run / "checkpoints" / "step-0000003").is_dir()
+
+    # scripts/bench_target_states.py on the same data: the three sources, and an fp32 bundle's states are the torch ones
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "bench_target_states.py"),
+                           "--engine", str(tiny_bundle.path), "--data", str(data), "--target",
+                           str(tiny_bundle.target_dir), "--sequences", "2", "--batch", "2", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {m[1]: m for m in re.finditer(r"^(engine|torch fp32|torch bf16) .*$", done.stdout, re.M)}
+    assert set(rows) == {"engine", "torch fp32", "torch bf16"}
+    fp32 = re.search(r"features ([0-9.]+), final hidden ([0-9.]+)", rows["torch fp32"][0])
+    assert float(fp32[1]) < 1e-3 and float(fp32[2]) < 1e-3
