@@ -26,6 +26,8 @@ from dspark.runtime.errors import BundleError
 from dspark.runtime.graph_io import PAST, PRESENT, kv_names
 from dspark.runtime.manifest import Manifest
 
+from .ort_graph import hidden_name
+
 ROLE = "target_ort"
 
 
@@ -46,7 +48,7 @@ class EngineStates:
         self.layer_ids = tuple(self.manifest.drafter.target_layer_ids)
         self.kv_heads, self.head_dim = c.num_kv_heads, c.head_dim
         self.past = kv_names(PAST, c.num_layers)
-        self.final = f"h_{c.num_layers}"  # the last SkipSimplifiedLayerNormalization's output (ort_graph)
+        self.final = hidden_name(c.num_layers)  # the final norm's output
         graph = onnx.load(str(self.bundle / self.manifest.graphs[ROLE]), load_external_data=False)
         if not any(self.final in n.output for n in graph.graph.node):
             raise BundleError(f"{bundle}/{self.manifest.graphs[ROLE]} has no tensor {self.final} (the final norm's "

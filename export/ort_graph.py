@@ -48,6 +48,12 @@ MS = "com.microsoft"
 ACCURACY_LEVEL = QDQ_ACCURACY_LEVEL
 
 
+def hidden_name(i: int) -> str:
+    """The normed hidden stream [B·S, d] that layer i reads; i = L: after the final norm, the LM
+    head's input (engine_states reads it)."""
+    return f"h_{i}"
+
+
 def supports_ort_graph(cfg) -> bool:
     """`RotaryEmbedding` rotates halves of a head: its size must be even."""
     return cfg.head_dim % 2 == 0
@@ -326,7 +332,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
     resid = g.op("Reshape", [embedded, flat], "resid_0")  # [B·S, d]
     feats = [resid] if -1 in feature_layer_ids else []
     h = g.op("SimplifiedLayerNormalization", [resid, g.weight("norm_in_0", model.layers[0].input_layernorm.weight)],
-             "h_0", axis=-1, epsilon=eps)
+             hidden_name(0), axis=-1, epsilon=eps)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         qkv_parts, o_parts, head_major_o = _attention_weights(model, weights, i)
@@ -358,7 +364,7 @@ def build_target_ort(model: TargetModel, feature_layer_ids: tuple[int, ...],
                     _params(model, weights, [f"layers.{i}.mlp.down_proj.weight"]))
         next_norm = model.layers[i + 1].input_layernorm.weight if i + 1 < L else model.norm.weight
         h = g.op("SkipSimplifiedLayerNormalization", [m, resid, g.weight(f"norm_next_{i}", next_norm)],
-                 [f"h_{i + 1}", "", "", f"resid_{i + 1}"], domain=MS, epsilon=eps)
+                 [hidden_name(i + 1), "", "", f"resid_{i + 1}"], domain=MS, epsilon=eps)
         resid = f"resid_{i + 1}"  # the output of layer i
         if i in feature_layer_ids:
             feats.append(resid)
