@@ -1,9 +1,11 @@
 """What an SPS table's speeds depend on besides the bundle: this machine's CPU, by the vector
-instructions ONNX Runtime's kernels choose between and the cores its thread pool spreads over."""
+instructions ONNX Runtime's kernels choose between and the cores its thread pool spreads over,
+and whether other processes shared it while they were measured."""
 from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 # the ISA extensions that select MLAS kernels (GEMM, int8 GEMM, MatMulNBits) on x86 and Arm
@@ -38,3 +40,41 @@ def differs(measured: dict, here: dict) -> str | None:
     if measured.get("cores", here["cores"]) != here["cores"]:
         parts.append(f"{measured['cores']} cores, here {here['cores']}")
     return "; ".join(parts) or None
+
+
+class CpuUse:
+    """CPU seconds used by other processes over an interval: machine busy time (/proc/stat)
+    minus this process's user+system time. A large value means the timings were disturbed."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # no /proc/stat there: nan
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        except (OSError, ValueError):
+            return float("nan")
+        idle = f[3] + (f[4] if len(f) > 4 else 0)
+        return float(sum(f[:8]) - idle)
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def other_share(self) -> float:
+        wall = time.perf_counter() - self.t0
+        other = max(0.0, (self._busy() - self.busy0) / self.hz - (self._own() - self.own0))
+        return other / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+
+    def report(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        busy = (self._busy() - self.busy0) / self.hz
+        own = self._own() - self.own0
+        other = max(0.0, busy - own)
+        cores = os.cpu_count() or 1
+        return {"wall_s": wall, "machine_busy_cpu_s": busy, "this_process_cpu_s": own, "other_cpu_s": other,
+                "other_share_of_capacity": other / (wall * cores) if wall > 0 else 0.0,
+                "loadavg_end": os.getloadavg()}

@@ -65,6 +65,7 @@ from tqdm import tqdm
 from dspark.runtime import Engine
 from dspark.runtime.backends import RunEvent
 from dspark.runtime.backends.onnxruntime import session_options  # the engine's own: side runs share its threads
+from dspark.runtime.cpu import CpuUse
 from dspark.runtime.graph_io import PAST, kv_names
 from dspark.runtime.schedulers import NAMES as SCHEDULERS
 from dspark.runtime.tools.prompts import bench_prompts
@@ -106,44 +107,6 @@ def versions() -> dict[str, str]:
         except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
             out[name] = "not installed"
     return out
-
-
-class CpuUse:
-    """CPU seconds used by other processes over an interval: machine busy time (/proc/stat)
-    minus this process's user+system time. A large value means the timings were disturbed."""
-
-    def __init__(self):
-        self.hz = os.sysconf("SC_CLK_TCK")
-        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
-
-    @staticmethod
-    def _busy() -> float:
-        try:
-            f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        except (OSError, ValueError):
-            return float("nan")
-        idle = f[3] + (f[4] if len(f) > 4 else 0)
-        return float(sum(f[:8]) - idle)
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def other_share(self) -> float:
-        wall = time.perf_counter() - self.t0
-        other = max(0.0, (self._busy() - self.busy0) / self.hz - (self._own() - self.own0))
-        return other / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
-
-    def report(self) -> dict:
-        wall = time.perf_counter() - self.t0
-        busy = (self._busy() - self.busy0) / self.hz
-        own = self._own() - self.own0
-        other = max(0.0, busy - own)
-        cores = os.cpu_count() or 1
-        return {"wall_s": wall, "machine_busy_cpu_s": busy, "this_process_cpu_s": own, "other_cpu_s": other,
-                "other_share_of_capacity": other / (wall * cores) if wall > 0 else 0.0,
-                "loadavg_end": os.getloadavg()}
 
 
 def sha256(path: Path) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from ..backends import RunTimer, StepBatch
 from ..core import Request, generate_batch
-from ..cpu import cpu_signature
+from ..cpu import CpuUse, cpu_signature
 from ..engine import Engine
 from ..errors import InputError
 from ..manifest import Manifest
@@ -41,6 +42,10 @@ class ProfileConfig:
 # What `dspark export` measures unless told not to (about 30 s on a 2-core CPU): enough for the
 # default scheduler to plan with; past 8 slots the table extrapolates, `dspark profile` measures.
 QUICK = ProfileConfig(max_slots=8, repeats=3, breakdown_tokens=16)
+# Past this share of the machine's CPU used by other processes while profiling, the table is
+# suspect: a table measured beside a compile run once put a decode step at 48 ms instead of 12
+# (docs/results.md), and `auto` then verified where drafting did not pay.
+BUSY_SHARE = 0.25
 
 
 def memory_needed(manifest: Manifest, bundle: Path, slots: int, max_seq: int) -> int:
@@ -102,7 +107,7 @@ def profile(bundle: str | Path, cfg: ProfileConfig, png: str | Path | None = Non
         raise InputError(f"{fix}, but only {avail / 2**30:.2f} GiB of memory is available: lower --max-slots "
                          f"or --context")
     try:
-        return _measure(bundle, manifest, cfg, max_seq, png, engine_kwargs)
+        return _measure(bundle, manifest, cfg, max_seq, png, engine_kwargs, CpuUse())
     except MemoryError as e:
         raise InputError(f"{fix} and ran out of memory: lower --max-slots or --context") from e
     except RuntimeError as e:  # ONNX Runtime reports a failed allocation (e.g. on a GPU) as a RuntimeError
@@ -112,7 +117,7 @@ def profile(bundle: str | Path, cfg: ProfileConfig, png: str | Path | None = Non
 
 
 def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int, png: str | Path | None,
-             engine_kwargs: dict) -> dict:
+             engine_kwargs: dict, cpu_use: CpuUse) -> dict:
     gamma = manifest.drafter.block_size
     s_max = gamma + 1
     engine = Engine.load(bundle, max_seq=max_seq, slots=cfg.max_slots, read_tables=False, **engine_kwargs)
@@ -164,7 +169,11 @@ def _measure(bundle: Path, manifest: Manifest, cfg: ProfileConfig, max_seq: int,
             "context": cfg.context, "repeats": cfg.repeats, "rows_measured": rows, "tokens_per_row": s_max,
             "graph": "target_ort" if be.in_place else "target", "precision": manifest.precision, "cpu": cpu_signature(),
             "engine": engine_kwargs,
-            "phase_breakdown_ms_per_cycle": breakdown}
+            "phase_breakdown_ms_per_cycle": breakdown, "other_cpu_share": cpu_use.other_share()}
+    if meta["other_cpu_share"] > BUSY_SHARE:
+        warnings.warn(f"other processes used {meta['other_cpu_share']:.0%} of this machine's CPU while {bundle} was "
+                      "profiled: its SPS table may misjudge what verification costs, and the scheduler with it; "
+                      f"run `dspark profile --bundle {bundle}` again on a quiet machine", stacklevel=2)
     table.save(bundle, meta)
     path = plot(table, breakdown, s_max, Path(png or bundle / "sps.png"))
     return {"file": str(bundle / SPS_FILE), "png": str(path), "sps": table.sps, "draft_s": table.draft_s,
