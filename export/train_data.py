@@ -367,6 +367,12 @@ def record_tokens(rec: dict[str, Any], max_len: int | None = None) -> tuple[torc
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 
+def pad_right(tokens: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sequences [T_i] -> [B, max T_i], right-padded with id 0 (causal: padding never reaches real rows)."""
+    T = max(len(t) for t in tokens)
+    return torch.stack([torch.cat([t, t.new_zeros(T - len(t))]) for t in tokens])
+
+
 def usable(rec: dict[str, Any], max_len: int | None = None) -> bool:
     """At least one anchor: two response tokens inside max_len."""
     _, mask = record_tokens(rec, max_len)
@@ -482,8 +488,7 @@ def cache_features(states: StateSource, records: Sequence[dict[str, Any]], cache
     for lo in range(0, len(todo), batch):
         group = todo[lo:lo + batch]
         toks = [record_tokens(r, max_len) for r in group]
-        T = max(len(t) for t, _ in toks)
-        padded = torch.stack([torch.cat([t, t.new_zeros(T - len(t))]) for t, _ in toks])  # [B, T] right padding
+        padded = pad_right([t for t, _ in toks])  # [B, T]
         with torch.inference_mode():
             feats, hidden = states.states(padded)
         for r, (t, m), f_, h_ in zip(group, toks, feats, hidden):

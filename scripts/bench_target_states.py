@@ -20,7 +20,7 @@ import torch
 
 from dspark.export import load_target
 from dspark.export.engine_states import EngineStates
-from dspark.export.train_data import TorchStates, read_responses, record_tokens
+from dspark.export.train_data import TorchStates, pad_right, read_responses, record_tokens
 
 
 def batches(records: list[dict], n: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -28,9 +28,8 @@ def batches(records: list[dict], n: int, batch: int) -> list[tuple[torch.Tensor,
     out = []
     for lo in range(0, n, batch):
         toks = [record_tokens(r)[0] for r in records[lo:min(lo + batch, n)]]
-        T = max(len(t) for t in toks)
-        ids = torch.stack([torch.cat([t, t.new_zeros(T - len(t))]) for t in toks])
-        real = torch.stack([torch.arange(T) < len(t) for t in toks])
+        ids = pad_right(toks)
+        real = torch.stack([torch.arange(ids.shape[1]) < len(t) for t in toks])
         out.append((ids, real))
     return out
 
