@@ -284,16 +284,17 @@ SYNTH_TEMPLATE = ("Here is an example of a request a user sent to an AI assistan
 
 
 def first_question(text: str) -> str:
-    """The first non-empty line of a generated request, without quotes or a 'Question:' label."""
+    """The first non-empty line of a generated request, without quotes or a 'Question:' label;
+    "" when that line ends in a colon (a preamble such as "Here is a new request:", not one)."""
     for line in text.splitlines():
         line = re.sub(r"^\s*(\*\*)?(new )?(question|request|task|user|prompt)\s*\d*\s*:?(\*\*)?\s*:?\s*", "",
                       line.strip(), flags=re.I).strip().strip('"“”').strip()
         if line:
-            return line
+            return "" if line.endswith(":") else line
     return ""
 
 
-def synthesize_prompts(responder: Responder, seeds: list[Prompt], n: int, *, batch: int = 8, max_new_tokens: int = 96,
+def synthesize_prompts(responder: Responder, seeds: list[Prompt], n: int, *, batch: int = 8, max_new_tokens: int = 64,
                        seed: int = 0, min_chars: int = 15, exclude: Iterable[str] = (),
                        progress: bool = True) -> list[Prompt]:
     """Up to `n` distinct user requests written by the target itself (T = 1, through

@@ -466,6 +466,7 @@ def test_prompt_files(tmp_path):
         assert any("\n\n" in p.text for p in prompts if p.source == "alpaca-seed-tasks")  # instruction + input
     assert first_question('**Question:** "How do I sort a list in Python?"\nMore text') == \
         "How do I sort a list in Python?"
+    assert first_question("Here is a new request a user might send:\n\nWrite a haiku.") == ""  # a preamble
 
 
 @pytest.fixture(scope="module")
