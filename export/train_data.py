@@ -9,9 +9,9 @@ Pipeline, each stage resumable and regenerable by `scripts/train_drafter.py`:
    `bench` directory is refused: those are evaluation prompts.
 2. Responses: the target answers every prompt through its chat template (transformers
    `generate`, batched, left padding; or the deployed engine of a bundle, `EngineResponder`),
-   greedily (T = 0) and sampled (T = 1, no top-k/top-p),
-   into JSON Lines shards {key, source, temperature, prompt, prompt_ids, response_ids, finished}.
-   A prompt already answered at a temperature (same key) is skipped.
+   greedily (T = 0) and sampled (T = 1, no top-k/top-p; `samples` responses a prompt, each
+   from its own seed), into JSON Lines shards {key, source, temperature, sample, prompt,
+   prompt_ids, response_ids, finished}. A response already written (same key) is skipped.
 3. Features: one forward of the target per sequence gives the raw features at the drafter's
    `target_layer_ids` [T, m·d] and the last hidden state **after the target's final norm**
    [T, d] (lm_head of it = the target's logits), from our torch `TargetModel` (`TorchStates`)
@@ -47,9 +47,11 @@ FP16_MAX = 65504.0
 # --- 1. Prompts (runtime/prompts.py) ---------------------------------------------------------------
 
 
-def prompt_key(prompt: Prompt, temperature: float) -> str:
-    """Stable id of (prompt, temperature): what a resumed generation skips by."""
-    return hashlib.sha256(f"{prompt.source}\x00{temperature:g}\x00{prompt.text}".encode()).hexdigest()[:20]
+def prompt_key(prompt: Prompt, temperature: float, sample: int = 0) -> str:
+    """Stable id of (prompt, temperature, sample): what a resumed generation skips by. Sample 0
+    is the first response at that temperature (its key names no sample, as before samples existed)."""
+    at = f"{temperature:g}" if sample == 0 else f"{temperature:g}#{sample}"
+    return hashlib.sha256(f"{prompt.source}\x00{at}\x00{prompt.text}".encode()).hexdigest()[:20]
 
 
 # --- 2. Responses -----------------------------------------------------------------------------------
@@ -202,12 +204,13 @@ def read_responses(directory: str | Path) -> list[dict[str, Any]]:
 
 @dataclass
 class GenerationConfig:
-    temperatures: tuple[float, ...] = (0.0, 1.0)  # every prompt is answered once per temperature
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # every prompt is answered at each temperature
     max_new_tokens: int = 512
     batch: int = 8
     seed: int = 0
     shard_records: int = 2000
     part: tuple[int, int] = (0, 1)  # (i, n): answer only the keys of part i of n (`in_part`), in shards "-p{i}"
+    samples: int = 1  # responses per prompt at each temperature > 0, each from its own seed (greedy: one)
 
 
 def in_part(key: str, part: tuple[int, int]) -> bool:
@@ -220,20 +223,23 @@ def in_part(key: str, part: tuple[int, int]) -> bool:
 def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str | Path,
                        cfg: GenerationConfig = GenerationConfig(), progress: bool = True,
                        time_budget_s: float | None = None) -> int:
-    """Answer every (prompt, temperature) not yet in `out_dir` with `responder`; returns how many
-    were written. Prompts are sorted by length within a temperature so a batch pads little.
+    """Answer every (prompt, temperature, sample) not yet in `out_dir` with `responder`; returns
+    how many were written. Sample i of every prompt comes before sample i + 1, and prompts are
+    sorted by length within a (temperature, sample) so a batch pads little.
     `time_budget_s`: stop after the batch during which this many seconds have passed."""
     from tqdm import tqdm
 
+    if cfg.samples < 1:
+        raise ConfigError(f"samples is {cfg.samples}, expected >= 1 (responses per prompt at T > 0)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in read_responses(out)}
-    todo = [(p, t) for t in cfg.temperatures for p in prompts
-            if prompt_key(p, t) not in done and in_part(prompt_key(p, t), cfg.part)]
+    todo = [(p, t, i) for t in cfg.temperatures for i in range(cfg.samples if t > 0 else 1) for p in prompts
+            if prompt_key(p, t, i) not in done and in_part(prompt_key(p, t, i), cfg.part)]
     if not todo:
         return 0
-    encoded = {p: responder.encode(p.text) for p in {p for p, _ in todo}}
-    todo.sort(key=lambda pt: (pt[1], len(encoded[pt[0]])))
+    encoded = {p: responder.encode(p.text) for p in {p for p, _, _ in todo}}
+    todo.sort(key=lambda pti: (pti[1], pti[2], len(encoded[pti[0]])))
     shard_no = max((int(f.name.split(".")[0].split("-")[1]) for f in response_shards(out)), default=-1) + 1
     written = in_shard = 0
     bar = tqdm(total=len(todo), desc="generate", unit="resp", disable=not progress, dynamic_ncols=True)
@@ -243,23 +249,23 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
         for lo in range(0, len(todo), cfg.batch):
             chunk = todo[lo:lo + cfg.batch]
             temp = chunk[0][1]
-            same = [pt for pt in chunk if pt[1] == temp]  # a batch never mixes temperatures
-            rest = [pt for pt in chunk if pt[1] != temp]
+            same = [pti for pti in chunk if pti[1] == temp]  # a batch never mixes temperatures
+            rest = [pti for pti in chunk if pti[1] != temp]
             for group in (same, rest):
                 if not group:
                     continue
-                keys = [prompt_key(p, t) for p, t in group]
+                keys = [prompt_key(p, t, i) for p, t, i in group]
                 seeds = [response_seed(cfg.seed, k) for k in keys]
-                answers = responder.answer([encoded[p] for p, _ in group], group[0][1], seeds, cfg.max_new_tokens)
+                answers = responder.answer([encoded[p] for p, _, _ in group], group[0][1], seeds, cfg.max_new_tokens)
                 if f is None or in_shard >= cfg.shard_records:
                     if f is not None:
                         f.close()
                     suffix = f"-p{cfg.part[0]}" if cfg.part[1] > 1 else ""  # parts never share a file
                     f = open(out / f"responses-{shard_no:05d}{suffix}.jsonl", "a", encoding="utf-8")
                     shard_no, in_shard = shard_no + 1, 0
-                lines = [json.dumps({"key": k, "source": p.source, "temperature": t, "prompt": p.text,
+                lines = [json.dumps({"key": k, "source": p.source, "temperature": t, "sample": i, "prompt": p.text,
                                      "prompt_ids": encoded[p], "response_ids": ids, "finished": fin})
-                         for k, (p, t), (ids, fin) in zip(keys, group, answers)]
+                         for k, (p, t, i), (ids, fin) in zip(keys, group, answers)]
                 f.write("\n".join(lines) + "\n")
                 f.flush()
                 written += len(group)

@@ -264,6 +264,8 @@ def cmd_generate(args) -> int:
 
     _threads(args.threads)
     part = _part(args.part)
+    if args.samples < 1:
+        raise SystemExit(f"--samples {args.samples}: expected >= 1 (responses per prompt at each temperature > 0)")
     data = Path(args.data)
     _check_data_target(data, args.target, record=True)
     prompts = load_train_prompts(args.prompts, limit=args.limit, skip=args.skip)  # refuses bench paths: before compute
@@ -310,7 +312,7 @@ def cmd_generate(args) -> int:
             have = have + new
         prompts = prompts + have
     cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
-                           batch=args.batch, seed=args.seed, part=part)
+                           batch=args.batch, seed=args.seed, part=part, samples=args.samples)
     n = generate_responses(responder(), prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
@@ -602,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--self-prompts", type=int, default=2000, help="chat/code questions the target writes itself, "
                    "seeded by alpaca tasks (default 2000; 0 = none)")
     q.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="default: 0 1")
+    q.add_argument("--samples", type=int, default=1, help="responses per prompt at each temperature > 0, each "
+                   "from its own seed (default 1; greedy answers once): more data without writing more prompts")
     q.add_argument("--max-new-tokens", type=int, default=512, help="response length cap (default 512)")
     q.add_argument("--batch", type=int, default=16, help="prompts per generate call (default 16)")
     q.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="generation precision (default bf16: "

@@ -819,6 +819,35 @@ def test_parts_split_the_prompts_between_processes(tiny_hf, tmp_path):
     assert generate_responses(responder, prompts, out, GenerationConfig((0.0,), 2, part=(1, 2)), progress=False) == 0
 
 
+def test_samples_add_sampled_responses_and_keep_the_keys_already_written(tiny_hf, tmp_path):
+    """`--samples N`: N responses a prompt at T > 0, each from its own seed, one at T = 0; sample 0
+    keeps the key a response had before samples existed (the committed data's keys), so a run with
+    a larger N answers only the new samples."""
+    import lzma
+
+    from dspark.export.train_data import PROJECT_ROOT, prompt_key
+
+    committed = sorted((PROJECT_ROOT / "scripts/drafter_data/smollm2/responses").glob("*.xz"))[0]
+    rec = json.loads(lzma.open(committed, "rt").readline())
+    assert prompt_key(Prompt(rec["prompt"], rec["source"]), rec["temperature"]) == rec["key"]
+
+    model, tok = load_generator(tiny_hf)
+    responder = TransformersResponder(model, tok)
+    prompts = [Prompt("What is 2+2?", "t"), Prompt("Say hi", "t")]
+    out = tmp_path / "resp"
+    assert generate_responses(responder, prompts, out, GenerationConfig((0.0, 1.0), 3, batch=4), progress=False) == 4
+    assert generate_responses(responder, prompts, out, GenerationConfig((0.0, 1.0), 3, batch=4, samples=3),
+                              progress=False) == 4  # samples 1 and 2 at T = 1; T = 0 stays one
+    recs = read_responses(out)
+    assert sorted((r["prompt"], r["temperature"], r["sample"]) for r in recs) == sorted(
+        [(p.text, 0.0, 0) for p in prompts] + [(p.text, 1.0, i) for p in prompts for i in range(3)])
+    assert all(r["key"] == prompt_key(Prompt(r["prompt"], "t"), r["temperature"], r["sample"]) for r in recs)
+    assert len({response_seed(0, r["key"]) for r in recs}) == len(recs)
+    assert generate_responses(responder, prompts, out, GenerationConfig((0.0, 1.0), 3, samples=3), progress=False) == 0
+    with pytest.raises(ConfigError, match="samples"):
+        generate_responses(responder, prompts, out, GenerationConfig((1.0,), 3, samples=0), progress=False)
+
+
 def test_a_data_directory_of_another_target_is_refused_before_compute(tiny_hf, tmp_path):
     """generate records the target in DATA/target.json; generate, cache and train with another
     target stop with a message naming both, before loading a model."""
