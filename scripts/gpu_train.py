@@ -8,11 +8,14 @@ the deployed target's, not equal; τ is measured afterwards on the deployed CPU 
 (docs/drafter.md, "The GPU route").
 
 Stages, each one `scripts/train_drafter.py` subcommand run in this process:
-  generate   transformers on the GPU, batched, T = 0 and 1, for --gen-minutes
-  train      warm-started from --init-from, features on the fly (the target runs on the GPU in
-             every step: no cache), over --draft-vocab ids, for --train-minutes
+  (--data)   responses already written, e.g. the deployed engine's in scripts/drafter_data/smollm2,
+             which every device call carries with the tree: copied into the work directory
+  generate   transformers on the GPU, batched, T = 0 and 1, for --gen-minutes (0: none)
+  train      on every response of the work directory, warm-started from --init-from, features
+             on the fly (the target runs on the GPU in every step: no cache), over --draft-vocab
+             ids, for --train-minutes
   export     the newest checkpoint as a DeepSpec checkpoint (bf16)
-Then the checkpoint and the responses (xz shards) are packed into result.tar split into parts
+Then the checkpoint and the responses generated here (xz shards) are packed into result.tar split into parts
 of at most 15 MiB, with result.sha256; gpu_train.json holds the timings and the losses.
 
 Here, afterwards: `python scripts/gpu_train.py --unpack FILES_AT --to DIR` checks and unpacks.
@@ -26,6 +29,7 @@ import io
 import json
 import lzma
 import platform
+import shutil
 import sys
 import tarfile
 import time
@@ -42,18 +46,39 @@ def _stage(name: str, argv: list[str], report: dict) -> None:
 
     print(f"gpu_train: {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
-    rc = train_drafter.main(argv)
+    why = None
+    try:
+        rc = train_drafter.main(argv)
+    except SystemExit as e:  # a subcommand's refusal of bad input names what to do: keep its message
+        rc, why = (e.code, None) if isinstance(e.code, int) else (1, str(e.code))
     report["stages"][name] = {"seconds": round(time.monotonic() - t0, 1), "rc": rc}
     if rc:
-        raise RuntimeError(f"{name} exited {rc}")
+        raise RuntimeError(f"{name}: {why}" if why else f"{name} exited {rc}")
 
 
-def _pack(work: Path, out: Path) -> list[str]:
-    """DIR/drafter and the response shards (xz) -> out/result.tar.partNN (+ result.sha256)."""
+def _take_data(src: Path, data: Path) -> set[str]:
+    """Copy the response shards of data directory `src` (and the target it names) into `data`,
+    where generation adds to them and training reads them all; returns the shards' names."""
+    shards = sorted((src / "responses").glob("responses-*.jsonl*"))
+    (data / "responses").mkdir(parents=True, exist_ok=True)
+    for shard in shards:
+        shutil.copyfile(shard, data / "responses" / shard.name)
+    if (src / "target.json").exists():  # train refuses the data if --target is another model
+        shutil.copyfile(src / "target.json", data / "target.json")
+    return {shard.name for shard in shards}
+
+
+def _tokens(recs: list[dict]) -> int:
+    return sum(len(r["response_ids"]) for r in recs)
+
+
+def _pack(work: Path, out: Path, given: set[str]) -> list[str]:
+    """DIR/drafter and the response shards written here (xz; not those of --data) ->
+    out/result.tar.partNN (+ result.sha256)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         tar.add(work / "drafter", arcname="drafter")
-        for shard in sorted((work / "data" / "responses").glob("responses-*.jsonl")):
+        for shard in sorted(f for f in (work / "data" / "responses").glob("responses-*.jsonl") if f.name not in given):
             raw = lzma.compress(shard.read_bytes(), preset=9)
             info = tarfile.TarInfo(f"responses/{shard.name}.xz")
             info.size, info.mtime = len(raw), int(shard.stat().st_mtime)
@@ -95,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "out" / "gpu_train"), help="where the results go ($OUT)")
     p.add_argument("--work", default="/tmp/dspark-gpu-train", help="data and run directory on the device")
     p.add_argument("--device", default="cuda", help="cuda (cpu: the tiny-scale rehearsal of the tests)")
-    p.add_argument("--gen-minutes", type=float, default=4.0, help="generation budget (default 4)")
+    p.add_argument("--data", help="responses already written (a data directory of `train_drafter.py generate`, "
+                   "e.g. scripts/drafter_data/smollm2): trained on with those generated here")
+    p.add_argument("--gen-minutes", type=float, default=4.0, help="generation budget (default 4; 0 = none)")
     p.add_argument("--train-minutes", type=float, default=4.0, help="training budget (default 4)")
     p.add_argument("--gen-batch", type=int, default=256, help="prompts per transformers generate call")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -117,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         return unpack(Path(args.unpack), Path(args.to))
     if not args.target or not args.prompts:
         p.error("--target and --prompts are required (scripts/gpu_train.sh passes them)")
+    if args.data and not sorted((Path(args.data) / "responses").glob("responses-*.jsonl*")):
+        p.error(f"--data {args.data}: no responses/responses-*.jsonl[.xz] in it; pass a data directory written "
+                f"by `train_drafter.py generate` (e.g. scripts/drafter_data/smollm2)")
+    if not args.data and args.gen_minutes <= 0:
+        p.error("--gen-minutes 0 without --data: nothing to train on; pass --data DIR or a generation budget")
 
     import torch
 
@@ -136,17 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--target", str(args.target), "--device", args.device]
     data, run = work / "data", work / "run"
     try:
-        _stage("generate", ["generate", *common, "--data", str(data), "--prompts", *args.prompts,
-                            "--skip", str(args.skip), "--self-prompts", "0", "--temperatures", "0", "1",
-                            "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.gen_batch),
-                            "--dtype", args.gen_dtype, "--seed", str(args.seed), "--time-budget", f"{args.gen_minutes}m"],
-               report)
         from dspark.export.train_data import read_responses
 
+        given = _take_data(Path(args.data), data) if args.data else set()
+        before = read_responses(data / "responses") if (data / "responses").is_dir() else []
+        if args.gen_minutes > 0:
+            _stage("generate", ["generate", *common, "--data", str(data), "--prompts", *args.prompts,
+                                "--skip", str(args.skip), "--self-prompts", "0", "--temperatures", "0", "1",
+                                "--max-new-tokens", str(args.max_new_tokens), "--batch", str(args.gen_batch),
+                                "--dtype", args.gen_dtype, "--seed", str(args.seed),
+                                "--time-budget", f"{args.gen_minutes}m"], report)
         recs = read_responses(data / "responses")
-        tokens = sum(len(r["response_ids"]) for r in recs)
-        report["data"] = {"responses": len(recs), "response_tokens": tokens,
-                          "tokens_per_s": round(tokens / max(report["stages"]["generate"]["seconds"], 1e-9), 1)}
+        new_tokens = _tokens(recs) - _tokens(before)
+        gen_s = report["stages"].get("generate", {}).get("seconds")
+        report["data"] = {"responses": len(recs), "response_tokens": _tokens(recs), "given": args.data,
+                          "generated_responses": len(recs) - len(before), "generated_tokens": new_tokens,
+                          "tokens_per_s": round(new_tokens / max(gen_s, 1e-9), 1) if gen_s else None}
         train = ["train", *common, "--data", str(data), "--run", str(run), "--no-cache", "--amp", "bf16" if
                  args.device == "cuda" else "none", "--batch", str(args.train_batch), "--steps", str(args.steps),
                  "--lr", str(args.lr), "--warmup", str(args.warmup), "--seed", str(args.seed),
@@ -160,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                            "first": log[0], "last": log[-1]}
         _stage("export", ["export", "--run", str(run), "--out", str(work / "drafter"), "--target", str(args.target)],
                report)
-        report["files"] = _pack(work, out)
+        report["files"] = _pack(work, out, given)
         report["ok"] = True
     except Exception as e:  # the report says which stage failed; what ran is kept
         report["status"] = f"{type(e).__name__}: {e}"

@@ -52,13 +52,13 @@ def test_without_a_gpu_it_says_so(tmp_path, tiny):
 def test_rehearsal_at_tiny_scale_on_the_cpu(tmp_path, tiny):
     p = run(tmp_path, "--target", str(tiny / "target"), "--prompts", str(tiny / "p.jsonl"), "--device", "cpu",
             "--work", str(tmp_path / "work"), "--init-from", str(tiny / "init"), "--draft-vocab", "24",
-            "--gen-minutes", "0", "--gen-batch", "2", "--max-new-tokens", "12", "--train-minutes", "0.05",
+            "--gen-minutes", "0.001", "--gen-batch", "2", "--max-new-tokens", "12", "--train-minutes", "0.05",
             "--train-batch", "2", "--steps", "1000000", "--warmup", "0")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out = tmp_path / "out"
     rep = json.loads((out / "gpu_train.json").read_text())
     assert rep["ok"] and set(rep["stages"]) == {"generate", "train", "export"}
-    assert rep["data"]["responses"] == 2  # --gen-minutes 0: the first batch is written, then it stops
+    assert rep["data"]["responses"] == rep["data"]["generated_responses"] == 2  # one batch, then the budget stops it
     assert 0 < rep["train"]["steps"] < 1000000 and rep["train"]["sec_per_step"] > 0  # stopped by its budget
     assert "int8" in rep["target_arithmetic"]
     assert all((out / f).stat().st_size <= 16 * 1024 * 1024 for f in rep["files"]) and len(rep["files"]) + 4 <= 8
@@ -79,6 +79,48 @@ def test_rehearsal_at_tiny_scale_on_the_cpu(tmp_path, tiny):
     bad = subprocess.run([*script, "--unpack", str(out), "--to", str(tmp_path / "bad")], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode != 0 and "sha256 differs" in bad.stderr
+
+
+def test_it_trains_on_responses_already_written(tmp_path, tiny):
+    """--data DIR --gen-minutes 0: the responses of DIR (xz shards, as committed) are trained on,
+    nothing is generated, and none of them travels back; DIR of another target, an empty DIR and
+    nothing to train on are refused with a message."""
+    import importlib.util
+    import lzma
+
+    spec = importlib.util.spec_from_file_location("train_drafter", ROOT / "scripts" / "train_drafter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    data = tmp_path / "data"
+    assert script.main(["generate", "--target", str(tiny / "target"), "--prompts", str(tiny / "p.jsonl"),
+                        "--self-prompts", "0", "--temperatures", "0", "--max-new-tokens", "6", "--data", str(data)]) == 0
+    for shard in (data / "responses").glob("*.jsonl"):
+        shard.with_suffix(".jsonl.xz").write_bytes(lzma.compress(shard.read_bytes()))
+        shard.unlink()
+    common = ["--target", str(tiny / "target"), "--prompts", str(tiny / "p.jsonl"), "--device", "cpu",
+              "--work", str(tmp_path / "work"), "--init-from", str(tiny / "init"), "--draft-vocab", "24",
+              "--train-minutes", "0.05", "--train-batch", "2", "--steps", "1000000", "--warmup", "0"]
+    p = run(tmp_path, *common, "--data", str(data), "--gen-minutes", "0")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads((tmp_path / "out" / "gpu_train.json").read_text())
+    assert set(rep["stages"]) == {"train", "export"}
+    assert rep["data"]["responses"] == 3 and rep["data"]["generated_responses"] == 0
+    assert rep["data"]["given"] == str(data) and rep["train"]["steps"] > 0
+    back = tmp_path / "back"
+    subprocess.run(["python", str(ROOT / "scripts" / "gpu_train.py"), "--unpack", str(tmp_path / "out"),
+                    "--to", str(back)], check=True, timeout=120)
+    assert (back / "drafter").is_dir() and not list(back.glob("responses/*"))
+
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    (other / "target.json").write_text(json.dumps({"target": "another.gguf", "sha256": "0" * 64}))
+    p = run(tmp_path, *common, "--data", str(other), "--gen-minutes", "0", "--work", str(tmp_path / "work2"))
+    assert p.returncode == 1
+    assert "another target" in json.loads((tmp_path / "out" / "gpu_train.json").read_text())["status"]
+    (tmp_path / "empty").mkdir()
+    for args, says in ((["--data", str(tmp_path / "empty")], "no responses"), (["--gen-minutes", "0"], "nothing to train on")):
+        p = run(tmp_path, *common, *args)
+        assert p.returncode == 2 and says in p.stdout + p.stderr, p.stdout + p.stderr
 
 
 def test_a_missing_part_of_the_gguf_stops_it(tmp_path):
