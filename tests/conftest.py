@@ -96,6 +96,21 @@ def profiled(tiny_bundle, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int4_portable_bundle(tiny_bundle, tmp_path_factory) -> tuple[Path, list[str]]:
+    """The tiny pair exported at `--precision int4 --portable` (no profile), and the messages of
+    the warnings the export gave: read by the quantized-target and the TensorRT-build tests (a
+    test that writes into it works on a copy)."""
+    from dspark.export.bundle import export_bundle
+
+    out = tmp_path_factory.mktemp("int4_portable") / "bundle"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_bundle(out, tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False, quick_profile=False,
+                      precision="int4", portable=True)
+    return out, [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
     """The default SmolLM2 bundle at fp32 with the portable graph: `dspark export --out <tmp>/smollm2
     --precision fp32 --portable --no-profile` once per session (~2 min), or an existing bundle directory named by

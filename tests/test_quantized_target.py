@@ -326,23 +326,20 @@ def _portable_feeds(session: ort.InferenceSession, rng: np.random.Generator, voc
     return feeds
 
 
-def test_the_portable_graph_of_a_quantized_bundle_reads_the_blocks(tiny_bundle, int4_bundle, tmp_path):
+def test_the_portable_graph_of_a_quantized_bundle_reads_the_blocks(tiny_bundle, int4_bundle, int4_portable_bundle,
+                                                                    tmp_path):
     """`--portable` on an int4 bundle: the traced target.onnx holds DequantizeLinear of the blocks
     (4 per layer, the head and the tied embedding's rows) instead of fp32 matrices, passes the
     TensorRT 11 operator check, shares the blocks the ONNX Runtime graph also reads (weights.bin
     grows by the codes only the trace's fused q·scale/k/v and o hold), and computes what the trace
     of the dequantized model computes, within int8 activation rounding."""
     from dspark.export import load_target
-    from dspark.export.bundle import export_bundle
     from dspark.export.onnx_export import export_target
     from dspark.export.tensorrt_ops import check_graph
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        export_bundle(tmp_path / "b", tiny_bundle.target_dir, tiny_bundle.drafter_dir, progress=False,
-                      quick_profile=False, precision="int4", portable=True)
-    assert not [w for w in caught if "stay fp32" in str(w.message)]
-    path = tmp_path / "b" / "target.onnx"
+    portable, messages = int4_portable_bundle
+    assert not [m for m in messages if "stay fp32" in m]
+    path = portable / "target.onnx"
     graph = onnx.load(str(path), load_external_data=False).graph
     target = load_target(tiny_bundle.target_dir).model
     c = target.cfg
@@ -352,7 +349,7 @@ def test_the_portable_graph_of_a_quantized_bundle_reads_the_blocks(tiny_bundle, 
                 and len(t.dims) == 2 and min(t.dims) >= c.hidden_size]
     assert matrices == ([] if tied else [(c.vocab_size, c.hidden_size)])  # no fp32 weight matrix left
     assert check_graph(path) == []
-    with_portable, without = ((b / "weights.bin").stat().st_size for b in (tmp_path / "b", int4_bundle))
+    with_portable, without = ((b / "weights.bin").stat().st_size for b in (portable, int4_bundle))
     assert without < with_portable < 1.1 * without
 
     dequantize_into(target, target_weights(target, tiny_bundle.target_dir, "int4"))
