@@ -212,6 +212,10 @@ class GenerationConfig:
     part: tuple[int, int] = (0, 1)  # (i, n): answer only the keys of part i of n (`in_part`), in shards "-p{i}"
     samples: int = 1  # responses per prompt at each temperature > 0, each from its own seed (greedy: one)
 
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ConfigError(f"samples is {self.samples}, expected >= 1 (responses per prompt at each temperature > 0)")
+
 
 def in_part(key: str, part: tuple[int, int]) -> bool:
     """Whether a response key belongs to part i of n: by a hash of the key, so that n processes
@@ -229,8 +233,6 @@ def generate_responses(responder: Responder, prompts: list[Prompt], out_dir: str
     `time_budget_s`: stop after the batch during which this many seconds have passed."""
     from tqdm import tqdm
 
-    if cfg.samples < 1:
-        raise ConfigError(f"samples is {cfg.samples}, expected >= 1 (responses per prompt at T > 0)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in read_responses(out)}

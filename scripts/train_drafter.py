@@ -264,8 +264,8 @@ def cmd_generate(args) -> int:
 
     _threads(args.threads)
     part = _part(args.part)
-    if args.samples < 1:
-        raise SystemExit(f"--samples {args.samples}: expected >= 1 (responses per prompt at each temperature > 0)")
+    cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
+                           batch=args.batch, seed=args.seed, part=part, samples=args.samples)  # checked before compute
     data = Path(args.data)
     _check_data_target(data, args.target, record=True)
     prompts = load_train_prompts(args.prompts, limit=args.limit, skip=args.skip)  # refuses bench paths: before compute
@@ -311,8 +311,6 @@ def cmd_generate(args) -> int:
             write_prompts(have + new, path)
             have = have + new
         prompts = prompts + have
-    cfg = GenerationConfig(temperatures=tuple(args.temperatures), max_new_tokens=args.max_new_tokens,
-                           batch=args.batch, seed=args.seed, part=part, samples=args.samples)
     n = generate_responses(responder(), prompts, data / "responses", cfg, time_budget_s=_duration(args.time_budget))
     print(f"wrote {n} responses to {data / 'responses'}", file=sys.stderr)
     return 0
