@@ -112,11 +112,12 @@ def int4_portable_bundle(tiny_bundle, tmp_path_factory) -> tuple[Path, list[str]
 
 @pytest.fixture(scope="session")
 def default_bundle(tmp_path_factory) -> BundleInfo:
-    """The default SmolLM2 bundle at fp32 with the portable graph: `dspark export --out <tmp>/smollm2
-    --precision fp32 --portable --no-profile` once per session (~2 min), or an existing bundle directory named by
-    $DSPARK_BUNDLE. fp32, because
-    its tests compare it with transformers' fp32 model (the default precision, gguf, has its own
-    tests: test_gguf_bundle.py)."""
+    """The default SmolLM2 bundle at fp32: `dspark export --out <tmp>/smollm2 --precision fp32
+    --no-profile` once per session (~1.5 min), or an existing bundle directory named by $DSPARK_BUNDLE.
+    fp32, because its tests compare it with transformers' fp32 model (the default precision, gguf,
+    has its own tests: test_gguf_bundle.py). Without the portable graph: its tracing doubled this
+    export's time, and the portable graph's parity with torch is tested on the tiny pair
+    (test_ort_runtime.py), whose export runs the same code with grouped-query attention."""
     from dspark.export import default_target_path
     from dspark.runtime.tools.cli import main
     from dspark.runtime.errors import CheckpointError
@@ -129,7 +130,7 @@ def default_bundle(tmp_path_factory) -> BundleInfo:
     except CheckpointError as e:
         pytest.skip(str(e))
     out = tmp_path_factory.mktemp("default") / "smollm2"
-    assert main(["export", "--out", str(out), "--precision", "fp32", "--portable", "--no-profile"]) == 0
+    assert main(["export", "--out", str(out), "--precision", "fp32", "--no-profile"]) == 0
     return BundleInfo(out, None, None)
 
 
