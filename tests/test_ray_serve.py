@@ -34,10 +34,13 @@ PROMPTS = [f"Request {i}: {w}" for i, w in enumerate(["dragons", "the sea", "cli
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A one-node Ray cluster on 127.0.0.1 with 2 CPUs, this test's alone. Yields its address."""
+    """A one-node Ray cluster on 127.0.0.1 with 2 CPUs, this test's alone. Yields its address.
+    Serve's controller gives its HTTP proxy 60 s to report ready instead of 5: on two cores busy
+    with the other test worker the proxy's imports alone can take longer, and after three missed
+    checks Serve restarts it and `serve.start` fails."""
     ray_cli = shutil.which("ray") or pytest.fail("the `ray` command is not on PATH")
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
     subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                     "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
                    check=True, capture_output=True, env=env, timeout=TIMEOUT)
@@ -147,15 +150,22 @@ def solo_match(reference, tiny_bundle, prompt: str, tokens: list[int], max_token
 
 @pytest.mark.slow
 def test_two_replicas_serve_concurrent_requests(server, reference, tiny_bundle):
+    """Every burst's streams equal their solo runs, and both replicas serve. Ray's proxy may learn
+    of the second replica a moment after it is up (seconds, on a busy machine): up to three bursts
+    are sent until both have served."""
     handles = replicas()
     assert len(handles) == 2
     before = [served(h) for h in handles]
-    results = concurrently(server, PROMPTS, 24)
-    assert all(r["error"] is None and r["finish"] == "length" for r in results), results
-    for prompt, r in zip(PROMPTS, results):
-        assert solo_match(reference, tiny_bundle, prompt, r["tokens"], 24), prompt
-    counts = [served(h) - b for h, b in zip(handles, before)]
-    assert sum(counts) == len(PROMPTS) and min(counts) > 0, f"requests per replica: {counts}"
+    for burst in range(1, 4):
+        results = concurrently(server, PROMPTS, 24)
+        assert all(r["error"] is None and r["finish"] == "length" for r in results), results
+        for prompt, r in zip(PROMPTS, results):
+            assert solo_match(reference, tiny_bundle, prompt, r["tokens"], 24), prompt
+        counts = [served(h) - b for h, b in zip(handles, before)]
+        assert sum(counts) == burst * len(PROMPTS), f"requests per replica: {counts}"
+        if min(counts) > 0:
+            break
+    assert min(counts) > 0, f"requests per replica after {burst} bursts: {counts}"
 
 
 @pytest.mark.slow
