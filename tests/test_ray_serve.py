@@ -81,17 +81,28 @@ def reference(profiled):
 
 
 def replicas() -> list:
-    """Handles of the application's replica actors that answer."""
+    """Handles of the application's replica actors that answer and hold their engine (a replica
+    still loading its bundle has no DSparkReplica yet)."""
     alive = []
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["name"].startswith("SERVE_REPLICA::dspark#"):
             handle = ray.get_actor(a["name"], namespace=a["namespace"])
             try:
-                ray.get(handle.__ray_call__.remote(lambda actor: None), timeout=10)
-            except (ray.exceptions.RayError, TimeoutError):
+                loaded = on_replica(handle, lambda r: r is not None)
+            except (ray.exceptions.RayError, TimeoutError, AttributeError):
                 continue
-            alive.append(handle)
+            if loaded:
+                alive.append(handle)
     return alive
+
+
+def both_replicas() -> list:
+    """The two replicas, once both have loaded: `dspark serve --ray` is healthy as soon as one has."""
+    deadline = time.monotonic() + TIMEOUT
+    while len(handles := replicas()) < 2:
+        assert time.monotonic() < deadline, f"{len(handles)} of 2 replicas loaded after {TIMEOUT} s"
+        time.sleep(1)
+    return handles
 
 
 def on_replica(handle, fn):
@@ -153,7 +164,7 @@ def test_two_replicas_serve_concurrent_requests(server, reference, tiny_bundle):
     """Every burst's streams equal their solo runs, and both replicas serve. Ray's proxy may learn
     of the second replica a moment after it is up (seconds, on a busy machine): up to three bursts
     are sent until both have served."""
-    handles = replicas()
+    handles = both_replicas()
     assert len(handles) == 2
     before = [served(h) for h in handles]
     for burst in range(1, 4):
@@ -170,7 +181,7 @@ def test_two_replicas_serve_concurrent_requests(server, reference, tiny_bundle):
 
 @pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_and_service_continues(server, reference, tiny_bundle):
-    handles = replicas()
+    handles = both_replicas()
     max_tokens = 400  # long enough to be streaming when the replica dies
     killed: dict = {}
 
@@ -193,10 +204,7 @@ def test_a_killed_replica_fails_its_requests_and_service_continues(server, refer
 
     after = concurrently(server, PROMPTS[:4], 16)  # the living replica takes new requests at once
     assert all(r["error"] is None and r["finish"] == "length" for r in after), after
-    deadline = time.monotonic() + TIMEOUT
-    while len(replicas()) < 2:  # Serve replaces the dead replica
-        assert time.monotonic() < deadline, "Serve did not replace the killed replica"
-        time.sleep(1)
+    both_replicas()  # Serve replaces the dead replica
     wait_healthy(server, timeout=TIMEOUT)
 
 

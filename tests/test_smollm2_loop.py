@@ -10,12 +10,13 @@ from dspark.runtime.tools.parity import greedy_match
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["What is 17 times 23?", "Write a haiku about the sea."]
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def alone(smollm2) -> list[tuple[str, list[int], list[int], object]]:
     """(text, prompt ids, the target's own greedy tokens, their reference logits) of each prompt."""
-    params = SamplingParams(max_new_tokens=24, stop_token_ids=smollm2.stop_token_ids)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=smollm2.stop_token_ids)
     runs = []
     for text in PROMPTS:
         prompt = list(smollm2.tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -30,7 +31,7 @@ def alone(smollm2) -> list[tuple[str, list[int], list[int], object]]:
 def test_greedy_identical_with_untrained_drafter(smollm2, alone, scheduler):
     target = smollm2.model
     drafter = init_drafter(target, num_layers=1, block_size=4, markov_rank=32, markov_head_type="vanilla")
-    params = SamplingParams(max_new_tokens=24, stop_token_ids=smollm2.stop_token_ids)
+    params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=smollm2.stop_token_ids)
     for text, prompt, tokens, logits in alone:
         spec = generate(TorchBackend(target, drafter, 512), prompt, params, scheduler)
         match = greedy_match(tokens, spec.token_ids, logits)
